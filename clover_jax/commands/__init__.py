@@ -1,0 +1,1 @@
+"""One module per `clover` subcommand (see clover_jax/cli.py)."""

@@ -1,0 +1,45 @@
+"""`clover info`: a config's shape and parameter counts, from the abstract weights (nothing allocated)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="print a config and its total / active parameter counts")
+    p.add_argument("--config", default="clover-35b-a3b", help="preset name or path to config.json")
+    p.add_argument("--list", action="store_true", help="list the presets")
+    p.set_defaults(func=run)
+
+
+def _human(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover_jax.cli import UserError
+    from clover_jax.config import ConfigError, load_config, preset_names
+    from clover_jax.params import count_params
+
+    if args.list:
+        print("\n".join(preset_names()))
+        return 0
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        raise UserError(str(e)) from e
+    c = count_params(cfg)
+    print(f"config            {cfg.name} ({cfg.family})")
+    print(f"layers            {cfg.n_layers} ({cfg.n_dense_layers} dense, {cfg.n_moe_layers} MoE)")
+    print(f"d_model / vocab   {cfg.d_model} / {cfg.vocab_size}")
+    print(f"attention         {cfg.n_heads} q heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim}, "
+          f"{cfg.attention}" + (f" (blocks of {cfg.block_size})" if cfg.is_block_causal else ""))
+    print(f"experts           {cfg.n_experts} routed (top-{cfg.n_experts_per_tok}, width {cfg.expert_mlp_dim}), "
+          f"{cfg.n_shared_experts} shared, {cfg.router} router")
+    print(f"total params      {_human(c.total)} ({c.total:,})")
+    print(f"active params     {_human(c.active)} ({c.active:,}) per token")
+    print(f"  of which embed  {_human(c.embedding)}; routed experts {_human(c.routed_experts)} in all")
+    return 0

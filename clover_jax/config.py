@@ -1,0 +1,255 @@
+"""Model configurations: one frozen, hashable dataclass and a table of named presets.
+
+A config is a static argument of every jitted function, so it must be hashable and never
+mutated; derive variants with `dataclasses.replace(cfg, ...)`, which re-runs validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Family = Literal["clover", "llada2_moe", "llada_moe", "qwen3_moe"]
+AttentionMode = Literal["bidirectional", "block_causal"]
+RouterKind = Literal["softmax", "sigmoid"]
+
+FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a working model."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    family: Family
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    # Mixture of experts. Layers [0, n_dense_layers) use a dense SwiGLU MLP of width dense_mlp_dim.
+    n_experts: int
+    n_experts_per_tok: int
+    expert_mlp_dim: int
+    n_shared_experts: int = 0
+    shared_mlp_dim: int = 0  # total width of the shared expert(s), fused into one SwiGLU
+    n_dense_layers: int = 0
+    dense_mlp_dim: int = 0
+    router: RouterKind = "softmax"
+    norm_topk_prob: bool = True
+    n_expert_groups: int = 1  # group-limited top-k (sigmoid routers)
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    use_expert_bias: bool = False  # selection bias (aux-loss-free balancing); never weights the output
+    # Attention.
+    attention: AttentionMode = "bidirectional"
+    block_size: int = 32  # block-causal attention and the default sampler block
+    qk_norm: bool = True
+    attn_output_gate: bool = False  # out = attn * sigmoid(x @ w_gate), per head
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    max_seq_len: int = 4096
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    # Special tokens.
+    mask_token_id: int = -1  # -1: the last id of the vocabulary
+    eos_token_id: int = 1
+    pad_token_id: int = 0
+    # Numerics: weights and activations in `dtype`; router, norms and softmax always in float32.
+    dtype: str = "bfloat16"
+    init_std: float = 0.02
+    # Default MoE dispatch on one device; sharded runs pick an expert-parallel one.
+    moe_dispatch: str = "tiled"
+
+    def __post_init__(self) -> None:
+        if self.mask_token_id == -1:
+            object.__setattr__(self, "mask_token_id", self.vocab_size - 1)
+        validate(self)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def is_block_causal(self) -> bool:
+        return self.attention == "block_causal"
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raise ConfigError naming the first inconsistency; runs before anything is traced."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"config {cfg.name!r}: {msg}")
+
+    need(cfg.family in FAMILIES, f"family must be one of {FAMILIES}, got {cfg.family!r}")
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
+        need(getattr(cfg, f) > 0, f"{f} must be positive, got {getattr(cfg, f)}")
+    need(cfg.n_heads % cfg.n_kv_heads == 0,
+         f"n_heads ({cfg.n_heads}) must be divisible by n_kv_heads ({cfg.n_kv_heads})")
+    need(0 < cfg.partial_rotary_factor <= 1.0,
+         f"partial_rotary_factor must be in (0, 1], got {cfg.partial_rotary_factor}")
+    rot = cfg.head_dim * cfg.partial_rotary_factor
+    need(rot == int(rot) and int(rot) % 2 == 0 and int(rot) > 0,
+         f"rotary dims head_dim*partial_rotary_factor = {cfg.head_dim}*{cfg.partial_rotary_factor} = {rot} "
+         "must be a positive even integer no larger than head_dim")
+    need(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
+    need(0 <= cfg.n_dense_layers <= cfg.n_layers,
+         f"n_dense_layers ({cfg.n_dense_layers}) must be in [0, n_layers={cfg.n_layers}]")
+    need(cfg.n_dense_layers == 0 or cfg.dense_mlp_dim > 0, "dense layers need dense_mlp_dim > 0")
+    if cfg.n_moe_layers > 0:
+        need(cfg.n_experts > 0 and cfg.expert_mlp_dim > 0, "MoE layers need n_experts and expert_mlp_dim > 0")
+        need(1 <= cfg.n_experts_per_tok <= cfg.n_experts,
+             f"top-k n_experts_per_tok ({cfg.n_experts_per_tok}) must be in [1, n_experts={cfg.n_experts}]")
+        need(cfg.router in ("softmax", "sigmoid"), f"router must be 'softmax' or 'sigmoid', got {cfg.router!r}")
+        need(cfg.n_expert_groups >= 1 and cfg.n_experts % cfg.n_expert_groups == 0,
+             f"n_experts ({cfg.n_experts}) must be divisible by n_expert_groups ({cfg.n_expert_groups})")
+        need(1 <= cfg.topk_groups <= cfg.n_expert_groups,
+             f"topk_groups ({cfg.topk_groups}) must be in [1, n_expert_groups={cfg.n_expert_groups}]")
+        per_group = cfg.n_experts // cfg.n_expert_groups
+        need(cfg.n_expert_groups == 1 or per_group >= 2,
+             "group-limited routing scores a group by its top-2 experts: need >= 2 experts per group")
+        need(cfg.topk_groups * per_group >= cfg.n_experts_per_tok,
+             f"the {cfg.topk_groups} kept groups hold {cfg.topk_groups * per_group} experts, "
+             f"fewer than top-k {cfg.n_experts_per_tok}")
+        need(cfg.n_shared_experts == 0 or cfg.shared_mlp_dim > 0, "shared experts need shared_mlp_dim > 0")
+    need(cfg.attention in ("bidirectional", "block_causal"),
+         f"attention must be 'bidirectional' or 'block_causal', got {cfg.attention!r}")
+    need(cfg.block_size > 0, f"block_size must be positive, got {cfg.block_size}")
+    for tok in ("mask_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(cfg, tok)
+        need(0 <= v < cfg.vocab_size, f"{tok} ({v}) must be a token id in [0, vocab_size={cfg.vocab_size})")
+    need(cfg.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
+    need(cfg.init_std > 0, "init_std must be positive")
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+_PRESETS: dict[str, ModelConfig] = {}
+
+
+def _register(cfg: ModelConfig) -> ModelConfig:
+    _PRESETS[cfg.name] = cfg
+    return cfg
+
+
+# Reconstructed Clover: Qwen3.5-35B-A3B dimensions with full block-causal attention in every layer.
+_register(ModelConfig(
+    name="clover-35b-a3b", family="clover", vocab_size=248_320, d_model=2048, n_layers=40,
+    n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256, n_experts_per_tok=8, expert_mlp_dim=512,
+    n_shared_experts=1, shared_mlp_dim=512, router="softmax", norm_topk_prob=True,
+    attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True,
+    rope_theta=1e7, partial_rotary_factor=0.25, max_seq_len=32_768, eos_token_id=248_044,
+    pad_token_id=248_044, mask_token_id=248_319,
+))
+
+# The model this project trains and ships (checkpoints/clover-tiny): same attention mode and MoE kind.
+_register(ModelConfig(
+    name="clover-tiny", family="clover", vocab_size=2048, d_model=256, n_layers=4, n_heads=4,
+    n_kv_heads=2, head_dim=64, n_experts=8, n_experts_per_tok=2, expert_mlp_dim=256,
+    n_shared_experts=1, shared_mlp_dim=256, router="softmax", norm_topk_prob=True,
+    attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True,
+    rope_theta=10000.0, partial_rotary_factor=0.5, max_seq_len=1024, eos_token_id=2, pad_token_id=0,
+    mask_token_id=3, dtype="float32",
+))
+
+_register(ModelConfig(
+    name="llada2-mini", family="llada2_moe", vocab_size=157_184, d_model=2048, n_layers=20,
+    n_heads=16, n_kv_heads=4, head_dim=128, n_experts=256, n_experts_per_tok=8, expert_mlp_dim=512,
+    n_shared_experts=1, shared_mlp_dim=512, n_dense_layers=1, dense_mlp_dim=5120, router="sigmoid",
+    norm_topk_prob=True, n_expert_groups=8, topk_groups=4, routed_scaling_factor=2.5,
+    use_expert_bias=True, attention="block_causal", block_size=32, qk_norm=True,
+    rope_theta=600_000.0, partial_rotary_factor=0.5, max_seq_len=32_768, norm_eps=1e-6,
+    mask_token_id=156_895, eos_token_id=156_892, pad_token_id=156_892,
+))
+
+_register(ModelConfig(
+    name="llada-moe-7b-a1b", family="llada_moe", vocab_size=157_184, d_model=2048, n_layers=16,
+    n_heads=16, n_kv_heads=16, head_dim=128, n_experts=64, n_experts_per_tok=8, expert_mlp_dim=1024,
+    router="softmax", norm_topk_prob=False, attention="bidirectional", qk_norm=True,
+    rope_theta=50_000.0, max_seq_len=8192, norm_eps=1e-5, mask_token_id=156_895,
+    eos_token_id=156_892, pad_token_id=156_892,
+))
+
+# Tiny configs of each family for tests: float32, a few layers, uneven shapes on purpose.
+_TEST_COMMON = dict(vocab_size=256, d_model=64, n_heads=4, head_dim=16, max_seq_len=512, dtype="float32",
+                    eos_token_id=1, pad_token_id=0, mask_token_id=255)
+_register(ModelConfig(
+    name="test-clover", family="clover", n_layers=3, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
+    expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, attention="block_causal", block_size=8,
+    attn_output_gate=True, partial_rotary_factor=0.5, **_TEST_COMMON,
+))
+_register(ModelConfig(
+    name="test-llada2", family="llada2_moe", n_layers=3, n_kv_heads=2, n_experts=16, n_experts_per_tok=4,
+    expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, n_dense_layers=1, dense_mlp_dim=96,
+    router="sigmoid", n_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5, use_expert_bias=True,
+    attention="block_causal", block_size=8, partial_rotary_factor=0.5, **_TEST_COMMON,
+))
+_register(ModelConfig(
+    name="test-llada-moe", family="llada_moe", n_layers=2, n_kv_heads=4, n_experts=8, n_experts_per_tok=2,
+    expert_mlp_dim=48, router="softmax", norm_topk_prob=False, attention="bidirectional", **_TEST_COMMON,
+))
+_register(ModelConfig(
+    name="test-qwen3-moe", family="qwen3_moe", n_layers=2, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
+    expert_mlp_dim=32, router="softmax", norm_topk_prob=True, attention="bidirectional", **_TEST_COMMON,
+))
+
+
+def preset_names() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """A preset by name, optionally with fields replaced (validated again)."""
+    if name not in _PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    cfg = _PRESETS[name]
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def load_config(path_or_name: str) -> ModelConfig:
+    """A preset name, or a path to a native config.json (a checkpoint directory also works)."""
+    import os
+
+    if path_or_name in _PRESETS:
+        return _PRESETS[path_or_name]
+    path = path_or_name
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"{path_or_name!r} is neither a preset ({', '.join(preset_names())}) nor a config.json path")
+    with open(path) as f:
+        return ModelConfig.from_dict(json.load(f))

@@ -1,0 +1,89 @@
+"""Attention building blocks: RMSNorm, rotary embeddings, masks and grouped-query attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.config import ModelConfig
+from clover_jax.params import AttentionWeights, MLPWeights
+
+Array = jax.Array
+
+NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm computed in float32, cast back, then scaled (transformers' order of operations)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
+    """Rotate-half RoPE on the first `rotary_dim` dims of each head; the rest pass through.
+
+    x: [B, T, heads, head_dim]; positions: [B, T] integer.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    xr, xp = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = (xr * cos + rotated * sin).astype(x.dtype)
+    return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out
+
+
+def attention_mask(
+    q_valid: Array, q_block: Array, k_valid: Array, k_block: Array, block_causal: bool
+) -> Array:
+    """Boolean mask [B, Tq, Tk]: True where query may attend to key.
+
+    Keys must be valid (not padding). Block-causal: a query sees keys whose block id is <= its own
+    (full attention inside a block, causal across blocks). Queries that are padding still see every
+    valid key so that their (discarded) rows stay finite.
+    """
+    mask = jnp.broadcast_to(k_valid[:, None, :], (q_valid.shape[0], q_valid.shape[1], k_valid.shape[1]))
+    if block_causal:
+        mask = mask & (k_block[:, None, :] <= q_block[:, :, None])
+    return mask
+
+
+def swiglu(x: Array, w: MLPWeights) -> Array:
+    return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
+
+
+def project_qkv(x: Array, w: AttentionWeights, positions: Array, cfg: ModelConfig) -> tuple[Array, Array, Array]:
+    """q [B,T,H,hd], k/v [B,T,K,hd]: QK-norm over head_dim after the projection, then RoPE."""
+    q = jnp.einsum("btd,dhk->bthk", x, w.q)
+    k = jnp.einsum("btd,dhk->bthk", x, w.k)
+    v = jnp.einsum("btd,dhk->bthk", x, w.v)
+    if cfg.qk_norm:
+        q = rms_norm(q, w.q_norm, cfg.norm_eps)
+        k = rms_norm(k, w.k_norm, cfg.norm_eps)
+    q = rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
+    k = rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    return q, k, v
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Grouped-query attention. q [B,Tq,H,hd], k/v [B,Tk,K,hd], mask [B,Tq,Tk] -> [B,Tq,H,hd].
+
+    Scores and softmax in float32; heads are grouped as [K, H/K] so KV heads are never repeated.
+    """
+    b, tq, h, hd = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, tq, kv, h // kv, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * (hd**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, tq, h, hd)
+
+
+def output_projection(x: Array, attn: Array, w: AttentionWeights, cfg: ModelConfig) -> Array:
+    if cfg.attn_output_gate:
+        attn = attn * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, w.gate))
+    return jnp.einsum("bthk,hkd->btd", attn, w.o)

@@ -1,0 +1,159 @@
+"""The forward pass: a pure function of (weights, tokens, positions, mask, cache) -> logits.
+
+Shapes: a call processes a window of W query tokens [B, W]. Without a cache the keys are the same
+W tokens. With a cache of S columns the window's K/V are first written into the cache at column
+`cache_offset`, then the window attends to all S cached columns through `mask` [B, W, S]. This one
+mechanism covers full passes, prompt prefill, block-by-block decoding and cache refreshes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from clover_jax import layers as L
+from clover_jax.config import ModelConfig
+from clover_jax.moe import MoEStats, moe_block
+from clover_jax.params import LayerWeights, Weights
+from clover_jax.sharding import constrain
+
+Array = jax.Array
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer: [layers, B, S, kv_heads, head_dim] for each stack."""
+
+    dense_k: Any
+    dense_v: Any
+    moe_k: Any
+    moe_v: Any
+
+    @property
+    def length(self) -> int:
+        return (self.moe_k if self.moe_k is not None else self.dense_k).shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
+    dt = jnp.dtype(cfg.dtype) if dtype is None else dtype
+
+    def zeros(n: int) -> Array | None:
+        return jnp.zeros((n, batch, length, cfg.n_kv_heads, cfg.head_dim), dt) if n else None
+
+    return KVCache(zeros(cfg.n_dense_layers), zeros(cfg.n_dense_layers), zeros(cfg.n_moe_layers),
+                   zeros(cfg.n_moe_layers))
+
+
+class ForwardOut(NamedTuple):
+    logits: Array  # [B, W_out, V] float32
+    cache: KVCache | None
+    moe_stats: MoEStats | None  # stacked over MoE layers
+
+
+def _layer(
+    x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array] | None,
+    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None,
+) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
+    h = L.rms_norm(x, w.attn_norm, cfg.norm_eps)
+    q, k, v = L.project_qkv(h, w.attn, positions, cfg)
+    if kv is not None:
+        k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), cache_offset, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), cache_offset, axis=1)
+        kv = (k, v)
+    attn = L.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    x = x + L.output_projection(h, attn, w.attn, cfg)
+    x = constrain(x, ("batch", "seq", "embed"))
+    h = L.rms_norm(x, w.mlp_norm, cfg.norm_eps)
+    if is_moe:
+        y, st = moe_block(h, w.mlp, cfg, dispatch)
+    else:
+        y, st = L.swiglu(h, w.mlp), None
+    return constrain(x + y, ("batch", "seq", "embed")), kv, st
+
+
+def _run_stack(
+    x: Array, stack: LayerWeights, k: Array | None, v: Array | None, positions: Array, mask: Array,
+    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, remat: bool,
+) -> tuple[Array, Array | None, Array | None, MoEStats | None]:
+    def body(x: Array, per_layer: tuple) -> tuple[Array, tuple]:
+        w, lk, lv = per_layer
+        kv = None if lk is None else (lk, lv)
+        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, is_moe, dispatch)
+        return x, (None if kv is None else kv[0], None if kv is None else kv[1], st)
+
+    if remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    x, (k, v, st) = jax.lax.scan(body, x, (stack, k, v))
+    return x, k, v, st
+
+
+def forward(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens: Array,
+    positions: Array,
+    mask: Array,
+    cache: KVCache | None = None,
+    cache_offset: Array | int = 0,
+    *,
+    logits_start: Array | int = 0,
+    logits_len: int | None = None,
+    dispatch: str | None = None,
+    remat: bool = False,
+) -> ForwardOut:
+    """Logits for `tokens` [B, W].
+
+    positions: [B, W] rotary positions. mask: [B, W, S] bool (S = W without cache, else cache length).
+    logits_start / logits_len: compute the LM head only for that window of the W positions.
+    """
+    x = weights.embed[tokens].astype(jnp.dtype(cfg.dtype))
+    x = constrain(x, ("batch", "seq", "embed"))
+    offset = jnp.asarray(cache_offset, jnp.int32)
+    new_cache = None
+    dense_k = dense_v = moe_k = moe_v = None
+    st = None
+    if weights.dense_layers is not None:
+        x, dense_k, dense_v, _ = _run_stack(
+            x, weights.dense_layers, None if cache is None else cache.dense_k,
+            None if cache is None else cache.dense_v, positions, mask, offset, cfg, False, dispatch, remat)
+    if weights.moe_layers is not None:
+        x, moe_k, moe_v, st = _run_stack(
+            x, weights.moe_layers, None if cache is None else cache.moe_k,
+            None if cache is None else cache.moe_v, positions, mask, offset, cfg, True, dispatch, remat)
+    if cache is not None:
+        new_cache = KVCache(dense_k, dense_v, moe_k, moe_v)
+    if logits_len is not None:
+        x = jax.lax.dynamic_slice_in_dim(x, jnp.asarray(logits_start, jnp.int32), logits_len, axis=1)
+    x = L.rms_norm(x, weights.final_norm, cfg.norm_eps)
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    return ForwardOut(logits, new_cache, st)
+
+
+def full_mask(cfg: ModelConfig, valid: Array, block_ids: Array | None = None) -> Array:
+    """Mask for a cache-free pass over [B, T] tokens: padding keys hidden, block-causal if configured."""
+    if block_ids is None:
+        block_ids = default_block_ids(cfg, valid)
+    return L.attention_mask(valid, block_ids, valid, block_ids, cfg.is_block_causal)
+
+
+def default_positions(valid: Array) -> Array:
+    """Positions counting only valid tokens, so left padding does not shift a row's positions."""
+    return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def default_block_ids(cfg: ModelConfig, valid: Array) -> Array:
+    """Block ids aligned to each row's own positions (LLaDA2's absolute blocks)."""
+    return default_positions(valid) // cfg.block_size
+
+
+def apply(weights: Weights, cfg: ModelConfig, tokens: Array, valid: Array | None = None,
+          dispatch: str | None = None) -> Array:
+    """Convenience: logits for whole sequences [B, T] (left or right padding marked by `valid`)."""
+    if valid is None:
+        valid = jnp.ones(tokens.shape, bool)
+    return forward(weights, cfg, tokens, default_positions(valid), full_mask(cfg, valid),
+                   dispatch=dispatch).logits

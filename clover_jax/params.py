@@ -1,0 +1,222 @@
+"""Model weights: a pytree of small dataclasses whose leaves declare logical axes.
+
+`abstract(cfg)` returns the same tree with `ParamSpec` leaves (shape, dtype, logical axes,
+initialiser) and no memory behind them. Everything else derives from it: `init` creates the
+arrays straight into their shardings, the checkpoint code restores into the same shapes and
+shardings, `count_params` reports sizes, and the planner AOT-compiles against it.
+
+Layers are stacked on a leading `layers` axis and run under `lax.scan`; the first-k dense layers
+are their own stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from clover_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What one weight will be: a pytree leaf (a plain class, not registered as a node)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]  # one logical axis name per dimension
+    init: str = "normal"  # normal | ones | zeros
+    std: float = 0.02
+
+    def __post_init__(self) -> None:
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def stacked(self, n: int) -> ParamSpec:
+        return ParamSpec((n, *self.shape), self.dtype, ("layers", *self.axes), self.init, self.std)
+
+    def struct(self, sharding: Any = None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+@struct.dataclass
+class MLPWeights:
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    gate: Any  # [embed, mlp]
+    up: Any  # [embed, mlp]
+    down: Any  # [mlp, embed]
+
+
+@struct.dataclass
+class MoEWeights:
+    router: Any  # [embed, experts], float32
+    expert_bias: Any  # [experts] float32 selection bias, or None
+    gate: Any  # [experts, embed, expert_mlp]
+    up: Any  # [experts, embed, expert_mlp]
+    down: Any  # [experts, expert_mlp, embed]
+    shared: Any  # MLPWeights or None
+
+
+@struct.dataclass
+class AttentionWeights:
+    q: Any  # [embed, q_heads, head_dim]
+    k: Any  # [embed, kv_heads, head_dim]
+    v: Any  # [embed, kv_heads, head_dim]
+    o: Any  # [q_heads, head_dim, embed]
+    gate: Any  # [embed, q_heads, head_dim] output gate, or None
+    q_norm: Any  # [head_dim] or None
+    k_norm: Any  # [head_dim] or None
+
+
+@struct.dataclass
+class LayerWeights:
+    attn_norm: Any  # [embed]
+    attn: AttentionWeights
+    mlp_norm: Any  # [embed]
+    mlp: Any  # MLPWeights (dense layers) or MoEWeights
+
+
+@struct.dataclass
+class Weights:
+    embed: Any  # [vocab, embed]
+    dense_layers: Any  # LayerWeights stacked on `layers`, or None
+    moe_layers: Any  # LayerWeights stacked on `layers`, or None
+    final_norm: Any  # [embed]
+    lm_head: Any  # [embed, vocab], or None when tied to embed
+
+
+def _mlp(d: int, f: int, dtype: Any, std: float, mlp_axis: str = "mlp") -> MLPWeights:
+    return MLPWeights(
+        gate=ParamSpec((d, f), dtype, ("embed", mlp_axis), std=std),
+        up=ParamSpec((d, f), dtype, ("embed", mlp_axis), std=std),
+        down=ParamSpec((f, d), dtype, (mlp_axis, "embed"), std=std),
+    )
+
+
+def _layer(cfg: ModelConfig, moe: bool) -> LayerWeights:
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    dt, std = jnp.dtype(cfg.dtype), cfg.init_std
+    norm = lambda n: ParamSpec((n,), jnp.float32, ("norm",), init="ones")  # noqa: E731
+    attn = AttentionWeights(
+        q=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std),
+        k=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),
+        v=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),
+        o=ParamSpec((h, hd, d), dt, ("q_heads", "head_dim", "embed"), std=std),
+        gate=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std) if cfg.attn_output_gate else None,
+        q_norm=ParamSpec((hd,), jnp.float32, ("head_dim",), init="ones") if cfg.qk_norm else None,
+        k_norm=ParamSpec((hd,), jnp.float32, ("head_dim",), init="ones") if cfg.qk_norm else None,
+    )
+    if moe:
+        e, f = cfg.n_experts, cfg.expert_mlp_dim
+        mlp: Any = MoEWeights(
+            router=ParamSpec((d, e), jnp.float32, ("embed", "experts_replicated"), std=std),
+            expert_bias=ParamSpec((e,), jnp.float32, ("experts_replicated",), init="zeros")
+            if cfg.use_expert_bias else None,
+            gate=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std),
+            up=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std),
+            down=ParamSpec((e, f, d), dt, ("experts", "expert_mlp", "embed"), std=std),
+            shared=_mlp(d, cfg.shared_mlp_dim, dt, std) if cfg.n_shared_experts else None,
+        )
+    else:
+        mlp = _mlp(d, cfg.dense_mlp_dim, dt, std)
+    return LayerWeights(attn_norm=norm(d), attn=attn, mlp_norm=norm(d), mlp=mlp)
+
+
+def _stack(tree: Any, n: int) -> Any:
+    return jax.tree.map(lambda s: s.stacked(n), tree, is_leaf=is_spec)
+
+
+def abstract(cfg: ModelConfig) -> Weights:
+    """The weight tree with ParamSpec leaves: shapes, dtypes, logical axes; no memory."""
+    dt, std = jnp.dtype(cfg.dtype), cfg.init_std
+    return Weights(
+        embed=ParamSpec((cfg.vocab_size, cfg.d_model), dt, ("vocab", "embed"), std=std),
+        dense_layers=_stack(_layer(cfg, moe=False), cfg.n_dense_layers) if cfg.n_dense_layers else None,
+        moe_layers=_stack(_layer(cfg, moe=True), cfg.n_moe_layers) if cfg.n_moe_layers else None,
+        final_norm=ParamSpec((cfg.d_model,), jnp.float32, ("norm",), init="ones"),
+        lm_head=None if cfg.tie_embeddings
+        else ParamSpec((cfg.d_model, cfg.vocab_size), dt, ("embed", "vocab"), std=std),
+    )
+
+
+def shape_structs(cfg: ModelConfig, shardings: Any = None) -> Any:
+    """jax.ShapeDtypeStruct leaves (optionally with shardings): for AOT lowering and restore."""
+    specs = abstract(cfg)
+    if shardings is None:
+        return jax.tree.map(lambda s: s.struct(), specs, is_leaf=is_spec)
+    return jax.tree.map(lambda s, sh: s.struct(sh), specs, shardings, is_leaf=is_spec)
+
+
+def _init_leaf(spec: ParamSpec, key: Array) -> Array:
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, spec.dtype)
+    if spec.init == "zeros":
+        return jnp.zeros(spec.shape, spec.dtype)
+    return (spec.std * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
+
+
+def init(cfg: ModelConfig, key: Array, shardings: Any = None) -> Weights:
+    """Random weights, created by one jitted program directly in their shardings.
+
+    With `shardings` (a tree matching `abstract(cfg)`, e.g. from `sharding.weight_shardings`) no
+    host ever holds a whole weight: each device generates its own shard.
+    """
+    specs = abstract(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+
+    def make(key: Array) -> Weights:
+        keys = jax.random.split(key, len(leaves))
+        return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys, strict=True)])
+
+    return jax.jit(make, out_shardings=shardings)(key)
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], cfg_or_specs: Any) -> Any:
+    specs = abstract(cfg_or_specs) if isinstance(cfg_or_specs, ModelConfig) else cfg_or_specs
+    return jax.tree.map(fn, specs, is_leaf=is_spec)
+
+
+def named_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """(dotted path, leaf) pairs: stable names for errors, checkpoints and conversion."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)[0]:
+        out.append((jax.tree_util.keystr(path, simple=True, separator="."), leaf))
+    return out
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int  # per token: everything except the routed experts a token does not visit
+    routed_experts: int
+    embedding: int
+
+
+def count_params(cfg: ModelConfig) -> ParamCount:
+    """Parameter counts from the abstract tree; allocates nothing."""
+    total = routed = embedding = 0
+    for name, spec in named_leaves(abstract(cfg)):
+        total += spec.size
+        if "experts" in spec.axes:
+            routed += spec.size
+        if name in ("embed", "lm_head"):
+            embedding += spec.size
+    active = total - routed + (routed * cfg.n_experts_per_tok // cfg.n_experts if cfg.n_experts else 0)
+    return ParamCount(total=total, active=active, routed_experts=routed, embedding=embedding)
