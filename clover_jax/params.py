@@ -113,7 +113,7 @@ def _mlp(d: int, f: int, dtype: Any, std: float, mlp_axis: str = "mlp") -> MLPWe
 def _layer(cfg: ModelConfig, moe: bool) -> LayerWeights:
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
-    norm = lambda n: ParamSpec((n,), jnp.float32, ("norm",), init="ones")  # noqa: E731
+    norm = lambda n: ParamSpec((n,), jnp.float32, ("norm",), init="ones")
     attn = AttentionWeights(
         q=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std),
         k=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),

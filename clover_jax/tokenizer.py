@@ -1,0 +1,119 @@
+"""Tokenizers behind one small interface: SentencePiece (the shipped models), HuggingFace
+`tokenizer.json` (converted checkpoints; needs the `tokenizers` package) and a byte-level fallback
+for randomly initialised models, which have no trained vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Files a checkpoint directory may carry; conversion copies whichever exist.
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, prompt: str) -> str | None: ...
+
+
+@dataclass
+class ByteTokenizer:
+    """UTF-8 bytes shifted past `n_special` reserved ids (pad=0, bos=1, eos=2, mask=3 by default)."""
+
+    n_special: int = 4
+    vocab_size: int = 260
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.n_special for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes(i - self.n_special for i in ids if self.n_special <= i < self.n_special + 256)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, prompt: str) -> str | None:
+        return None
+
+
+@dataclass
+class SentencePieceTokenizer:
+    path: str
+    _sp: object = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        import sentencepiece as spm
+
+        self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        self.vocab_size = self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
+
+    def apply_chat_template(self, prompt: str) -> str | None:
+        return None
+
+
+@dataclass
+class HFTokenizer:
+    """A `tokenizer.json` read with the `tokenizers` package, plus the chat template if present."""
+
+    directory: str
+    _tok: object = field(init=False, repr=False)
+    chat_template: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError as e:  # optional extra
+            raise ImportError("reading tokenizer.json needs the `tokenizers` package: "
+                              "pip install 'clover-jax[torch]'") from e
+        self._tok = _Tok.from_file(os.path.join(self.directory, "tokenizer.json"))
+        self.vocab_size = self._tok.get_vocab_size()
+        self.chat_template = _read_chat_template(self.directory)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def apply_chat_template(self, prompt: str) -> str | None:
+        if not self.chat_template:
+            return None
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
+def _read_chat_template(directory: str) -> str | None:
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja) as f:
+            return f.read()
+    cfg = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(cfg):
+        with open(cfg) as f:
+            tpl = json.load(f).get("chat_template")
+        return tpl if isinstance(tpl, str) else None
+    return None
+
+
+def load_tokenizer(directory: str | None) -> Tokenizer:
+    """The tokenizer stored in a checkpoint directory; byte-level when there is none."""
+    if directory:
+        if os.path.exists(os.path.join(directory, "tokenizer.model")):
+            return SentencePieceTokenizer(os.path.join(directory, "tokenizer.model"))
+        if os.path.exists(os.path.join(directory, "tokenizer.json")):
+            return HFTokenizer(directory)
+    return ByteTokenizer()
