@@ -50,7 +50,8 @@ def route(x: Array, w: MoEWeights, cfg: ModelConfig) -> Routing:
     k = cfg.n_experts_per_tok
     if cfg.router == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
-        top_w, top_e = jax.lax.top_k(probs, k)
+        # LLaDA-MoE adds its optional bias to the probabilities and keeps it in the weights.
+        top_w, top_e = jax.lax.top_k(probs + w.expert_bias if w.expert_bias is not None else probs, k)
     else:
         # LLaDA2 / DeepSeek-V3: select on sigmoid + bias inside the best groups, weight by unbiased sigmoid.
         probs = jax.nn.sigmoid(logits)
@@ -61,7 +62,7 @@ def route(x: Array, w: MoEWeights, cfg: ModelConfig) -> Routing:
             group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
             _, top_groups = jax.lax.top_k(group_score, cfg.topk_groups)
             keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
-            choice = jnp.where(keep[:, :, None], grouped, 0.0).reshape(n, -1)
+            choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, -1)
         _, top_e = jax.lax.top_k(choice, k)
         top_w = jnp.take_along_axis(probs, top_e, axis=-1)
     if cfg.norm_topk_prob:
