@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up from nothing and run the test suite: a virtual environment in .venv, the package with the
+# extras the tests need (torch for transformers parity, tpu for `clover plan`, notebooks, dev), then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# The CPU build of torch first (on these machines it lies on disk); the `torch` extra's range admits it,
+# so the extra installs nothing bigger. Elsewhere pip takes it from the index.
+python -m pip install -q "torch==2.13.0" || python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.5,<2.15"
+python -m pip install -q -e ".[torch,tpu,notebooks,dev]"
+
+export JAX_PLATFORMS=cpu  # libtpu is installed for `clover plan`; tests run on (fake) CPU devices
+ruff check .
+python -m pytest -q -ra "$@"
