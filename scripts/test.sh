@@ -10,8 +10,8 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 # The CPU build of torch first (on these machines it lies on disk); the `torch` extra's range admits it,
-# so the extra installs nothing bigger. Elsewhere pip takes it from the index.
-python -m pip install -q "torch==2.13.0" || python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.5,<2.15"
+# so the extra installs nothing bigger.
+python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[torch,tpu,notebooks,dev]"
 
 export JAX_PLATFORMS=cpu  # libtpu is installed for `clover plan`; tests run on (fake) CPU devices
