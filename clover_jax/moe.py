@@ -179,6 +179,8 @@ def dispatch_tiled(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tup
 def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = None) -> tuple[Array, MoEStats]:
     """x [B, T, D] -> [B, T, D]: routed experts plus the (ungated) shared expert."""
     name = dispatch or cfg.moe_dispatch
+    if name not in DISPATCH and name.startswith("ep_"):
+        import clover_jax.expert_parallel  # noqa: F401  (registers the ep_* strategies)
     if name not in DISPATCH:
         raise ValueError(f"unknown MoE dispatch {name!r}; known: {', '.join(sorted(DISPATCH))}")
     b, t, d = x.shape
