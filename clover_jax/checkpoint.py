@@ -1,0 +1,233 @@
+"""The native checkpoint format: a directory holding
+
+    config.json        ModelConfig.to_dict()
+    tokenizer files    whichever of tokenizer.TOKENIZER_FILES the source had
+    weights/           an Orbax checkpoint of a flat {dotted weight name: array} dict
+
+Weight names are `params.named_leaves` paths (e.g. `moe_layers.mlp.gate`), so the on-disk tree does
+not depend on the dataclass layout and a mismatch can name the weight. Restore goes straight into
+the caller's target shardings: every device reads only its own shard.
+
+Writes are atomic: everything is written into `<dest>.tmp-<random>` next to the destination and
+renamed into place at the end, so a failed or killed save never leaves a half-written destination.
+
+For conversion, `save_streaming` writes a checkpoint whose stacked weights are produced one slice
+of the leading axis (one layer) at a time, and `WeightReader` reads them back slice by slice, so
+peak memory stays near one layer instead of the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from clover_jax import params as P
+from clover_jax.config import ConfigError, ModelConfig
+from clover_jax.tokenizer import TOKENIZER_FILES
+
+CONFIG_FILE = "config.json"
+WEIGHTS_DIR = "weights"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, malformed, or disagrees with its config."""
+
+
+# ---- atomic directories ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
+    """Yield a fresh temp dir next to `dest`; on success rename it to `dest`, on error delete it.
+
+    An existing `dest` is refused unless `force`; then it is swapped out only after the new
+    directory is complete, so the old one survives any failure before that point.
+    """
+    dest = os.path.abspath(dest)
+    if os.path.lexists(dest) and not force:
+        raise CheckpointError(f"destination {dest} already exists (use --force / force=True to replace it)")
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if os.path.lexists(dest):
+            old = f"{dest}.tmp-old-{uuid.uuid4().hex[:8]}"
+            os.rename(dest, old)
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+        else:
+            os.rename(tmp, dest)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
+    """Copy whichever tokenizer files exist in `src_dir`; returns their names."""
+    copied = []
+    if src_dir:
+        for name in TOKENIZER_FILES:
+            src = os.path.join(src_dir, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(dst_dir, name))
+                copied.append(name)
+    return copied
+
+
+# ---- flat weight dicts -----------------------------------------------------------------------------
+
+
+def expected_leaves(cfg: ModelConfig) -> dict[str, P.ParamSpec]:
+    """Every weight the config implies, by dotted name (None leaves, e.g. a tied lm_head, absent)."""
+    return dict(P.named_leaves(P.abstract(cfg)))
+
+
+def flatten_weights(weights: P.Weights) -> dict[str, Any]:
+    return dict(P.named_leaves(weights))
+
+
+def unflatten_weights(cfg: ModelConfig, flat: Mapping[str, Any]) -> P.Weights:
+    specs = P.abstract(cfg)
+    names = [n for n, _ in P.named_leaves(specs)]
+    treedef = jax.tree.structure(specs, is_leaf=P.is_spec)
+    return jax.tree.unflatten(treedef, [flat[n] for n in names])
+
+
+def check_leaves(cfg: ModelConfig, found: Mapping[str, tuple[tuple[int, ...], Any]], where: str) -> None:
+    """Compare {name: (shape, dtype)} against the config; raise naming every disagreement found."""
+    want = expected_leaves(cfg)
+    problems = []
+    missing = sorted(set(want) - set(found))
+    extra = sorted(set(found) - set(want))
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if extra:
+        problems.append(f"unexpected weights: {', '.join(extra)}")
+    for name in sorted(set(want) & set(found)):
+        shape, dtype = found[name]
+        spec = want[name]
+        if tuple(shape) != tuple(spec.shape):
+            problems.append(f"weight {name!r} has shape {tuple(shape)} in {where} but the config "
+                            f"{cfg.name!r} needs {tuple(spec.shape)}")
+        elif np.dtype(dtype) != np.dtype(spec.dtype):
+            problems.append(f"weight {name!r} has dtype {np.dtype(dtype)} in {where} but the config "
+                            f"{cfg.name!r} needs {np.dtype(spec.dtype)}")
+    if problems:
+        raise CheckpointError(f"{where} does not match its config: " + "; ".join(problems))
+
+
+# ---- save / load -----------------------------------------------------------------------------------
+
+
+def _write_common(tmp: str, cfg: ModelConfig, tokenizer_dir: str | None,
+                  extra_files: Mapping[str, str] | None) -> None:
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+        f.write(cfg.to_json() + "\n")
+    copy_tokenizer_files(tokenizer_dir, tmp)
+    for name, text in (extra_files or {}).items():
+        if os.path.basename(name) != name or name in (CONFIG_FILE, WEIGHTS_DIR):
+            raise CheckpointError(f"extra file name {name!r} must be a plain file name other than "
+                                  f"{CONFIG_FILE} / {WEIGHTS_DIR}")
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+
+
+def save_model(path: str, cfg: ModelConfig, weights: P.Weights, tokenizer_dir: str | None = None,
+               extra_files: Mapping[str, str] | None = None, force: bool = False) -> str:
+    """Write a native checkpoint directory atomically; returns its absolute path.
+
+    `extra_files` maps plain file names to text contents written next to config.json.
+    Weights may be sharded over any mesh: each process writes its own shards.
+    """
+    import orbax.checkpoint as ocp
+
+    flat = flatten_weights(weights)
+    check_leaves(cfg, {n: (a.shape, a.dtype) for n, a in flat.items()}, "the weights being saved")
+    with atomic_directory(path, force) as tmp:
+        _write_common(tmp, cfg, tokenizer_dir, extra_files)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(tmp, WEIGHTS_DIR), flat)
+        ckptr.wait_until_finished()
+        ckptr.close()
+    return os.path.abspath(path)
+
+
+def _check_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        raise CheckpointError(f"{path!r} is not a native checkpoint: no {CONFIG_FILE}")
+    wdir = os.path.join(path, WEIGHTS_DIR)
+    if not os.path.isdir(wdir):
+        hint = (" (it looks like a HuggingFace checkpoint: run `clover convert` first)"
+                if any(f.endswith(".safetensors") for f in os.listdir(path)) else "")
+        raise CheckpointError(f"{path!r} is not a native checkpoint: no {WEIGHTS_DIR}/ directory{hint}")
+    return wdir
+
+
+def load_checkpoint_config(path: str) -> ModelConfig:
+    _check_dir(path)
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            d = json.load(f)
+        return ModelConfig.from_dict(d)
+    except (json.JSONDecodeError, ConfigError, TypeError) as e:
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} is not a valid config: {e}") from e
+
+
+def stored_leaves(path: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{name: (shape, dtype)} of the arrays in a native checkpoint, from metadata only."""
+    import orbax.checkpoint as ocp
+
+    wdir = _check_dir(path)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.metadata(wdir).item_metadata.tree
+    except Exception as e:  # orbax raises assorted types for a damaged directory
+        raise CheckpointError(f"cannot read the weights metadata in {wdir}: {e}") from e
+    return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in tree.items()}
+
+
+def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, P.Weights]:
+    """Read a native checkpoint into `shardings` (a tree matching params.abstract(cfg), e.g. from
+    sharding.weight_shardings; default: the first device). Each device reads only its own shard."""
+    import orbax.checkpoint as ocp
+
+    cfg = load_checkpoint_config(path)
+    check_leaves(cfg, stored_leaves(path), f"checkpoint {path!r}")
+    specs = expected_leaves(cfg)
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shard_by_name = {n: one for n in specs}
+    else:
+        shard_by_name = dict(P.named_leaves(shardings))
+        if set(shard_by_name) != set(specs):
+            raise CheckpointError("the shardings tree does not match the checkpoint's weights: "
+                                  f"differs in {sorted(set(shard_by_name) ^ set(specs))}")
+    target = {n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard_by_name[n]) for n, s in specs.items()}
+    with ocp.StandardCheckpointer() as ckptr:
+        flat = ckptr.restore(os.path.join(path, WEIGHTS_DIR), target)
+    return cfg, unflatten_weights(cfg, flat)

@@ -1,0 +1,101 @@
+"""Native Orbax checkpoints: round trips, resharding between meshes, atomic writes, clear errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from clover_jax import checkpoint as C
+from clover_jax import params as P
+from clover_jax.config import get_config
+from clover_jax.sharding import weight_shardings
+
+
+def _mesh(devices, n_expert: int, n_tensor: int = 1) -> Mesh:
+    devs = np.array(devices[: n_expert * n_tensor]).reshape(1, n_expert, n_tensor)
+    return Mesh(devs, ("data", "expert", "tensor"))
+
+
+def _assert_equal(a: P.Weights, b: P.Weights) -> None:
+    fa, fb = C.flatten_weights(a), C.flatten_weights(b)
+    assert fa.keys() == fb.keys()
+    for name in fa:
+        assert fa[name].dtype == fb[name].dtype, name
+        np.testing.assert_array_equal(np.asarray(fa[name]), np.asarray(fb[name]), err_msg=name)
+
+
+@pytest.mark.parametrize("preset", ["test-llada2", "test-clover"])
+def test_round_trip_single_device(tmp_path, preset):
+    cfg = get_config(preset, dtype="bfloat16")
+    w = P.init(cfg, jax.random.key(0))
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"x": 1}')
+    out = C.save_model(str(tmp_path / "ckpt"), cfg, w, tokenizer_dir=str(tok), extra_files={"NOTE.txt": "hi"})
+    assert sorted(os.listdir(out)) == ["NOTE.txt", "config.json", "tokenizer.json", "weights"]
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text()) == cfg.to_dict()
+    cfg2, w2 = C.load_model(out)
+    assert cfg2 == cfg
+    _assert_equal(w, w2)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+
+
+@pytest.mark.parametrize(("save_n", "load_n"), [(8, 1), (8, 4), (1, 8), (4, 8)])
+def test_reshard_between_meshes(tmp_path, devices, save_n, load_n):
+    cfg = get_config("test-llada2")  # 16 experts: divisible by 1, 4 and 8
+    save_mesh = _mesh(devices, save_n) if save_n > 1 else None
+    w = P.init(cfg, jax.random.key(1), weight_shardings(cfg, save_mesh) if save_mesh else None)
+    if save_mesh:
+        assert len(w.moe_layers.mlp.gate.sharding.device_set) == save_n
+    C.save_model(str(tmp_path / "c"), cfg, w)
+    load_mesh = _mesh(devices, load_n)
+    shardings = weight_shardings(cfg, load_mesh)
+    _, w2 = C.load_model(str(tmp_path / "c"), shardings)
+    gate = w2.moe_layers.mlp.gate
+    assert gate.sharding == shardings.moe_layers.mlp.gate
+    # Each device holds only its slice of the experts.
+    assert gate.addressable_shards[0].data.shape[1] == cfg.n_experts // load_n
+    _assert_equal(w, w2)
+
+
+def test_existing_destination_needs_force(tmp_path):
+    cfg = get_config("test-qwen3-moe")
+    w = P.init(cfg, jax.random.key(0))
+    dest = tmp_path / "c"
+    C.save_model(str(dest), cfg, w)
+    with pytest.raises(C.CheckpointError, match="already exists"):
+        C.save_model(str(dest), cfg, w)
+    w2 = P.init(cfg, jax.random.key(5))
+    C.save_model(str(dest), cfg, w2, force=True)
+    _assert_equal(C.load_model(str(dest))[1], w2)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_failed_save_leaves_nothing(tmp_path):
+    cfg = get_config("test-qwen3-moe")
+    w = P.init(cfg, jax.random.key(0))
+    bad = w.replace(embed=w.embed[:10])
+    with pytest.raises(C.CheckpointError, match=r"'embed' has shape \(10, 64\).*needs \(256, 64\)"):
+        C.save_model(str(tmp_path / "c"), cfg, bad)
+    assert os.listdir(tmp_path) == []
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(C.CheckpointError, match="does not exist"):
+        C.load_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(C.CheckpointError, match="no config.json"):
+        C.load_model(str(tmp_path / "empty"))
+    cfg = get_config("test-qwen3-moe")
+    C.save_model(str(tmp_path / "c"), cfg, P.init(cfg, jax.random.key(0)))
+    # A config that disagrees with the stored tensors names the weight and both shapes.
+    cfg_json = tmp_path / "c" / "config.json"
+    cfg_json.write_text(cfg.replace(d_model=32).to_json())
+    with pytest.raises(C.CheckpointError, match=r"'embed' has shape \(256, 64\).*needs \(256, 32\)"):
+        C.load_model(str(tmp_path / "c"))
+    cfg_json.write_text("{not json")
+    with pytest.raises(C.CheckpointError, match="not a valid config"):
+        C.load_model(str(tmp_path / "c"))
