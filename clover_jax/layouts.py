@@ -18,6 +18,7 @@ from clover_jax.sharding import DEFAULT_RULES, ShardingError
 
 LAYOUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sharding")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+PLATFORMS = ("cpu", "tpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Layout:
     platform: str = "cpu"  # cpu | tpu | gpu
     topology: str | None = None  # e.g. "v5e:2x4" for AOT planning on a TPU topology
     description: str = ""
+    chip: str | None = None  # key into plan.CHIPS (v5e, v5p, v6e, h100, h200, cpu) for planning
 
     @property
     def n_devices(self) -> int:
@@ -55,12 +57,29 @@ def load_layout(name_or_path: str) -> Layout:
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
         raise ShardingError(f"layout {path}: unknown mesh axes {bad}; use {MESH_AXES}")
+    if not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise ShardingError(f"layout {path}: mesh shape {list(shape)} must be positive integers")
+    if len(set(axes)) != len(axes):
+        raise ShardingError(f"layout {path}: mesh axes {list(axes)} repeat a name")
     rules = dict(DEFAULT_RULES)
     for k, v in doc.get("rules", {}).items():
         rules[k] = None if v in ("", "none", None) else (tuple(v) if isinstance(v, list) else v)
+        for ax in () if rules[k] is None else (rules[k],) if isinstance(rules[k], str) else rules[k]:
+            if ax not in MESH_AXES:
+                raise ShardingError(f"layout {path}: rule {k} = {v!r} names unknown mesh axis {ax!r}; "
+                                    f"use {MESH_AXES}")
+    platform = doc.get("platform", "cpu")
+    if platform not in PLATFORMS:
+        raise ShardingError(f"layout {path}: platform {platform!r} must be one of {PLATFORMS}")
+    topology = doc.get("topology")
+    if platform == "tpu" and topology:
+        dims = topology.split(":")[-1].split("x")
+        if not all(d.isdigit() for d in dims) or int(np.prod([int(d) for d in dims])) != int(np.prod(shape)):
+            raise ShardingError(f"layout {path}: topology {topology!r} does not hold the {int(np.prod(shape))} "
+                                f"devices of mesh {list(shape)}")
     return Layout(name=os.path.basename(path)[:-5], shape=shape, axes=axes, rules=rules,
-                  platform=doc.get("platform", "cpu"), topology=doc.get("topology"),
-                  description=doc.get("description", ""))
+                  platform=platform, topology=topology, description=doc.get("description", ""),
+                  chip=doc.get("chip"))
 
 
 def make_mesh(layout: Layout, devices: list | None = None):
@@ -72,10 +91,33 @@ def make_mesh(layout: Layout, devices: list | None = None):
     if len(devices) < layout.n_devices:
         raise ShardingError(f"layout {layout.name!r} needs {layout.n_devices} devices {layout.shape}, "
                             f"but {len(devices)} are available")
-    arr = np.array(devices[: layout.n_devices]).reshape(layout.shape)
+    devices = list(devices[: layout.n_devices])
+    if devices[0].platform == "tpu":
+        # Physical-torus-aware order: a logical axis should follow whole ICI rings where it can.
+        from jax.experimental import mesh_utils
+
+        arr = mesh_utils.create_device_mesh(layout.shape, devices, allow_split_physical_axes=True)
+    else:
+        arr = np.array(devices).reshape(layout.shape)
     return Mesh(arr, layout.axes)
 
 
 def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None,
                         help="mesh layout: a name from sharding/ (e.g. cpu-8) or a .toml path; default: one device")
+
+
+def mesh_from_arg(name_or_path: str | None, devices: list | None = None) -> tuple[Layout, Any] | None:
+    """(layout, Mesh) for a `--mesh` value, or None without one. Raises ShardingError (say it as a UserError).
+
+    Typical command body:
+        lm = layouts.mesh_from_arg(args.mesh)
+        shardings = None if lm is None else sharding.weight_shardings(cfg, lm[1], lm[0].rules)
+        weights = params.init(cfg, key, shardings)        # or restore into `shardings`
+        with (sharding.use_mesh(lm[1], lm[0].rules) if lm else contextlib.nullcontext()):
+            ... run the model with dispatch=expert_parallel.choose_dispatch(mesh) ...
+    """
+    if name_or_path is None:
+        return None
+    layout = load_layout(name_or_path)
+    return layout, make_mesh(layout, devices)
