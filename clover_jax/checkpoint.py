@@ -19,7 +19,6 @@ peak memory stays near one layer instead of the whole model.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shutil
@@ -231,3 +230,122 @@ def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, P.Weights
     with ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(os.path.join(path, WEIGHTS_DIR), target)
     return cfg, unflatten_weights(cfg, flat)
+
+
+# ---- streaming: write and read one slice of the leading axis at a time ------------------------------
+
+
+@dataclass(frozen=True)
+class LazyLeaf:
+    """An array that does not exist yet: `read(i)` returns slice i of the leading axis (shape[1:]).
+
+    With `sliced=False` the array is produced whole by `read(0)` (small, unstacked weights).
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+    read: Callable[[int], np.ndarray]
+    sliced: bool = True
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _lazy_handler() -> Any:
+    """An Orbax type handler that writes a LazyLeaf slice by slice into the checkpoint's tensorstore.
+
+    Each slice is one storage chunk, so a restore into any sharding reads only what each device needs.
+    The stored array is an ordinary one: `StandardCheckpointer.restore` reads it like any other.
+    """
+    import tensorstore as ts
+    from orbax.checkpoint import type_handlers as th
+    from orbax.checkpoint._src.serialization import ocdbt_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    class LazyLeafHandler(th.NumpyHandler):
+        def __init__(self) -> None:
+            super().__init__(deepcopy_host_arrays=False)
+
+        async def _background_serialize(self, values: Any, infos: Any, args: Any = None) -> None:
+            for value, info, arg in zip(values, infos, args, strict=True):
+                await info.await_path_creation()
+                local = (1, *value.shape[1:]) if value.sliced else value.shape
+                spec = ts_utils.build_array_write_spec(
+                    info=info, arg=arg, global_shape=value.shape, local_shape=local, dtype=np.dtype(value.dtype),
+                    use_ocdbt=info.is_ocdbt_checkpoint,
+                    process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
+                    metadata_key=self._metadata_key).json
+                t = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+                if not value.sliced:
+                    await t.write(_checked(value, value.read(0), value.shape))
+                    continue
+                for i in range(value.shape[0]):  # one slice in memory at a time
+                    await t[i:i + 1].write(_checked(value, value.read(i), value.shape[1:])[None])
+
+    return LazyLeafHandler()
+
+
+def _checked(leaf: LazyLeaf, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(leaf.dtype):
+        raise CheckpointError(f"internal: a slice of shape {a.shape} {a.dtype}, expected {shape} {leaf.dtype}")
+    return a
+
+
+_HANDLER_REGISTERED = False
+
+
+def save_streaming(path: str, cfg: ModelConfig, leaves: Mapping[str, LazyLeaf], tokenizer_dir: str | None = None,
+                   extra_files: Mapping[str, str] | None = None, force: bool = False) -> str:
+    """Like save_model, but each weight is a LazyLeaf produced one slice at a time (conversion)."""
+    global _HANDLER_REGISTERED
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import type_handlers as th
+
+    check_leaves(cfg, {n: (a.shape, a.dtype) for n, a in leaves.items()}, "the weights being saved")
+    if not _HANDLER_REGISTERED:
+        th.register_type_handler(LazyLeaf, _lazy_handler(), override=True)
+        _HANDLER_REGISTERED = True
+    with atomic_directory(path, force) as tmp:
+        _write_common(tmp, cfg, tokenizer_dir, extra_files)
+        with ocp.PyTreeCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, WEIGHTS_DIR), dict(leaves))
+    return os.path.abspath(path)
+
+
+class WeightReader:
+    """Reads a native checkpoint's arrays (or one slice of their leading axis) to host numpy,
+    without loading the rest: for conversion to other formats."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.config = load_checkpoint_config(path)
+        self.leaves = stored_leaves(path)
+        check_leaves(self.config, self.leaves, f"checkpoint {path!r}")
+        wdir = os.path.abspath(os.path.join(path, WEIGHTS_DIR))
+        with open(os.path.join(wdir, "_METADATA")) as f:
+            meta = json.load(f)
+        use_ocdbt = meta.get("use_ocdbt", True)
+        self._driver = "zarr3" if meta.get("use_zarr3") else "zarr"
+        self._kv = ({"driver": "ocdbt", "base": f"file://{wdir}/"} if use_ocdbt
+                    else {"driver": "file", "path": f"{wdir}/"})
+        self._open: dict[str, Any] = {}
+
+    def _store(self, name: str) -> Any:
+        import tensorstore as ts
+
+        if name not in self._open:
+            if name not in self.leaves:
+                raise CheckpointError(f"no weight {name!r} in {self.path}")
+            kv = dict(self._kv)
+            kv["path"] = name if kv["driver"] == "ocdbt" else kv["path"] + name
+            self._open[name] = ts.open({"driver": self._driver, "kvstore": kv}, open=True).result()
+        return self._open[name]
+
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        t = self._store(name)
+        return np.asarray((t if index is None else t[index]).read().result())
