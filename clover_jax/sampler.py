@@ -1,0 +1,292 @@
+"""Masked-diffusion sampling: `generate(weights, cfg, prompts, SamplerConfig(...))`.
+
+This module checks the request (before anything compiles), pads prompts into a batch bucket and a
+prompt bucket, compiles the loop of `sampler_program` once per static shape and runs it. The
+arithmetic of one step lives in `sampler_scoring`.
+
+    from clover_jax.sampler import SamplerConfig, generate
+    res = generate(weights, cfg, [[5, 6, 7]], SamplerConfig(gen_length=64, block_length=32, steps=64))
+    res.tokens[0], res.stats.nfe
+
+Static (one compiled program each): model config, batch bucket, prompt bucket, gen_length,
+block_length, cache mode, guidance on/off, progress callback on/off. Dynamic (never a recompile):
+steps, remasking, threshold, entropy_bound, temperature, top_p, top_k, cfg_scale (> 0), seed,
+eos_stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from clover_jax import sharding
+from clover_jax.config import ModelConfig
+from clover_jax.sampler_program import (
+    CACHE_MODES,
+    ForwardFn,
+    Knobs,
+    ModelForward,
+    ProgramOut,
+    ProgramSpec,
+    make_knobs,
+    run_program,
+    set_progress_sink,
+)
+from clover_jax.sampler_scoring import STRATEGIES
+
+__all__ = ["CACHE_MODES", "STRATEGIES", "GenerateResult", "SamplerConfig", "SamplerError", "SamplerStats",
+           "check_prompts", "check_settings", "compile_count", "generate", "prepare_batch",
+           "validate"]
+
+
+class SamplerError(ValueError):
+    """A sampling request that cannot run; raised before anything is compiled."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int | None = None  # total refinement steps over all blocks; None = gen_length (one token a step)
+    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy
+    threshold: float = 0.0  # > 0: also commit every masked position whose confidence exceeds it
+    entropy_bound: float = 0.0  # > 0: also commit the EB-sampler lowest-entropy prefix
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    cfg_scale: float = 0.0  # classifier-free guidance; 0 = off
+    seed: int = 0
+    cache: str = "none"  # none | prefix | dual
+    eos_stop: bool = True  # a row stops at its first EOS once nothing before it is masked
+
+    @property
+    def n_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def total_steps(self) -> int:
+        return self.gen_length if self.steps is None else self.steps
+
+    def replace(self, **changes: Any) -> SamplerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SamplerStats:
+    nfe: int  # forward passes of the model (a guided cond+uncond pair is one pass over 2B rows)
+    steps: int  # commit steps run
+    tokens: int  # positions the sampler committed, all real rows (EOS fill excluded)
+    rows: int
+    wall_s: float  # the compiled loop, excluding compilation
+    compile_s: float  # 0 when the program was already compiled
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens committed per forward pass per row: the parallelism of decoding."""
+        return self.tokens / max(self.nfe, 1) / max(self.rows, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"{self.nfe} forward passes, {self.tokens_per_pass:.2f} tokens/pass, {self.tokens} tokens in "
+                f"{self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); compile {self.compile_s:.1f} s")
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # per prompt: generated ids before the first EOS
+    finished: list[bool]  # the row produced an EOS
+    raw: np.ndarray  # [n, gen_length] every generated column (masks left if steps ran out)
+    stats: SamplerStats
+    logits: np.ndarray | None = None  # [n, gen_length, V] with record_logits
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise SamplerError(msg)
+
+
+def validate(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """Raise SamplerError naming the first problem. Cheap: runs before any tracing."""
+    check_settings(sc)
+    check_prompts(cfg, sc, prompts)
+
+
+def check_settings(sc: SamplerConfig) -> None:
+    """The sampler settings alone (no model needed)."""
+    need = _need
+    need(isinstance(sc.gen_length, int) and sc.gen_length > 0, f"gen_length must be a positive integer, got "
+         f"{sc.gen_length!r}")
+    need(isinstance(sc.block_length, int) and sc.block_length > 0,
+         f"block_length must be a positive integer, got {sc.block_length!r}")
+    need(sc.gen_length % sc.block_length == 0,
+         f"gen_length ({sc.gen_length}) must be a multiple of block_length ({sc.block_length})")
+    need(isinstance(sc.total_steps, int) and sc.total_steps >= sc.n_blocks,
+         f"steps ({sc.total_steps}) must be at least the number of blocks "
+         f"(gen_length / block_length = {sc.n_blocks})")
+    need(sc.remasking in STRATEGIES, f"unknown remasking strategy {sc.remasking!r}; choose one of {STRATEGIES}")
+    need(sc.cache in CACHE_MODES, f"unknown cache mode {sc.cache!r}; choose one of {CACHE_MODES}")
+    need(sc.threshold == 0 or 0 < sc.threshold <= 1, f"threshold must be in (0, 1] (or 0 = off), got {sc.threshold}")
+    need(sc.entropy_bound >= 0 and math.isfinite(sc.entropy_bound),
+         f"entropy_bound must be >= 0 (0 = off), got {sc.entropy_bound}")
+    need(sc.temperature >= 0 and math.isfinite(sc.temperature), f"temperature must be >= 0, got {sc.temperature}")
+    need(0 < sc.top_p <= 1, f"top_p must be in (0, 1], got {sc.top_p}")
+    need(isinstance(sc.top_k, int) and sc.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {sc.top_k!r}")
+    need(sc.cfg_scale >= 0 and math.isfinite(sc.cfg_scale), f"cfg_scale must be >= 0, got {sc.cfg_scale}")
+    need(isinstance(sc.seed, int), f"seed must be an integer, got {sc.seed!r}")
+
+
+def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """Token ids inside the vocabulary and prompt + generation within the model's length."""
+    need = _need
+    need(len(prompts) > 0, "no prompts given")
+    for i, pr in enumerate(prompts):
+        need(len(pr) > 0, f"prompt {i} is empty")
+        arr = np.asarray(pr)
+        need(np.issubdtype(arr.dtype, np.integer), f"prompt {i} must hold integer token ids")
+        lo, hi = int(arr.min()), int(arr.max())
+        need(lo >= 0 and hi < cfg.vocab_size,
+             f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {cfg.vocab_size})")
+        need(len(pr) + sc.gen_length <= cfg.max_seq_len,
+             f"prompt {i} has {len(pr)} tokens; with gen_length {sc.gen_length} that is "
+             f"{len(pr) + sc.gen_length} > the model's max_seq_len {cfg.max_seq_len}")
+
+
+# ---- batching --------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def batch_bucket(n: int) -> int:
+    """Rows: the next power of two, and a multiple of the mesh's data axis when one is active."""
+    b = _next_pow2(n)
+    active = sharding.active_mesh()
+    if active is not None:
+        data = int(active[0].shape.get("data", 1))
+        b = -(-b // data) * data
+    return b
+
+
+def prompt_bucket(longest: int, block_length: int) -> int:
+    """Prompt columns: block_length times a power of two, so a few shapes cover many prompts."""
+    return block_length * _next_pow2(-(-longest // block_length))
+
+
+def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, pad_id: int,
+                  batch: int | None = None, prompt_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompts into [B, P] int32 plus lengths [B]; filler rows have length 0."""
+    b = batch_bucket(len(prompts)) if batch is None else batch
+    p = prompt_bucket(max(len(x) for x in prompts), block_length) if prompt_len is None else prompt_len
+    out = np.full((b, p), pad_id, np.int32)
+    lens = np.zeros((b,), np.int32)
+    for i, pr in enumerate(prompts):
+        out[i, p - len(pr):] = np.asarray(pr, np.int32)
+        lens[i] = len(pr)
+    return out, lens
+
+
+# ---- compiled programs -----------------------------------------------------------------------
+
+_PROGRAMS: dict[Any, Any] = {}
+_COMPILES = [0]
+
+
+def compile_count() -> int:
+    """How many sampling programs this process has compiled (tests watch it)."""
+    return _COMPILES[0]
+
+
+def _mesh_key() -> Any:
+    active = sharding.active_mesh()
+    if active is None:
+        return None
+    mesh, rules = active
+    return (mesh, tuple(sorted((k, str(v)) for k, v in rules.items())))
+
+
+def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: np.ndarray,
+                     lengths: np.ndarray, knobs: Knobs) -> tuple[Callable[..., ProgramOut], float]:
+    """The AOT-compiled program for these static settings, and the seconds spent compiling it now."""
+    key = (spec, forward_fn, _mesh_key())
+    if key in _PROGRAMS:
+        return _PROGRAMS[key], 0.0
+    t0 = time.perf_counter()
+    fn = jax.jit(run_program, static_argnums=(0, 1))
+    exe = fn.lower(spec, forward_fn, weights, prompt, lengths, knobs).compile()
+    _PROGRAMS[key] = exe
+    _COMPILES[0] += 1
+    return exe, time.perf_counter() - t0
+
+
+def knobs_for(sc: SamplerConfig) -> Knobs:
+    return make_knobs(steps=sc.total_steps, temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k,
+                      threshold=sc.threshold, entropy_bound=sc.entropy_bound, cfg_scale=sc.cfg_scale,
+                      remasking=STRATEGIES.index(sc.remasking), eos_stop=sc.eos_stop, seed=sc.seed)
+
+
+def generate(
+    weights: Any,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    sc: SamplerConfig,
+    *,
+    forward_fn: ForwardFn | None = None,
+    progress: Callable[[np.ndarray, int, int], None] | None = None,
+    record_logits: bool = False,
+    batch: int | None = None,
+    prompt_len: int | None = None,
+    dispatch: str | None = None,
+) -> GenerateResult:
+    """Fill `gen_length` masked positions after each prompt (lists of token ids).
+
+    forward_fn: replaces the model (tests inject scripted logits); default `ModelForward(cfg)`.
+    progress(tokens [B, G], block, nfe): called after every step from inside the compiled loop.
+    batch / prompt_len: force the buckets (default: next power of two rows, block_length * 2^k columns).
+    """
+    validate(cfg, sc, prompts)
+    if forward_fn is None:
+        forward_fn = ModelForward(cfg, dispatch)
+    tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len)
+    if tokens_in.shape[0] < len(prompts) or (lengths > tokens_in.shape[1]).any():
+        raise SamplerError(f"forced buckets batch={batch} prompt_len={prompt_len} are too small for the prompts")
+    # Block-causal models: dual == prefix (later blocks are invisible), so they share one program.
+    cache = "prefix" if (sc.cache == "dual" and cfg.is_block_causal) else sc.cache
+    spec = ProgramSpec(cfg, tokens_in.shape[0], tokens_in.shape[1], sc.gen_length, sc.block_length, cache,
+                       guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits)
+    knobs = knobs_for(sc)
+    exe, compile_s = compiled_program(spec, forward_fn, weights, tokens_in, lengths, knobs)
+    set_progress_sink(progress)
+    try:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(exe(weights, tokens_in, lengths, knobs))
+        if progress is not None:
+            jax.effects_barrier()
+        wall = time.perf_counter() - t0
+    finally:
+        set_progress_sink(None)
+    n = len(prompts)
+    raw = np.asarray(out.tokens)[:n]
+    result_tokens, finished = [], []
+    for row in raw:
+        hits = np.flatnonzero(row == cfg.eos_token_id)
+        end = int(hits[0]) if hits.size else len(row)
+        result_tokens.append([int(x) for x in row[:end]])
+        finished.append(bool(hits.size))
+    stats = SamplerStats(nfe=int(out.nfe), steps=int(out.steps), tokens=int(np.asarray(out.committed)[:n].sum()),
+                         rows=n, wall_s=wall, compile_s=compile_s)
+    logits = None if out.logits is None else np.asarray(out.logits)[:n]
+    return GenerateResult(result_tokens, finished, raw, stats, logits)

@@ -1,0 +1,284 @@
+"""The sampling program: one jit-compiled, fixed-shape denoising loop over a canvas [B, P + G].
+
+Layout: prompts left-padded to P columns, then G generated columns that start as the mask token.
+Generated block j covers columns [P + j*L, P + (j+1)*L) (L = block_length). An outer
+`lax.while_loop` walks the blocks, an inner one runs the refinement steps of a block; a block ends
+when its steps are spent or it has no mask left, the loop ends when every row is done.
+
+Attention metadata: positions count only valid (non-padding) columns, so left padding never shifts
+a row. Block ids: prompt columns get position // cfg.block_size, generated block j gets P + j,
+larger than every prompt block, so the first generated block sees the whole prompt and the prompt
+never sees the generation. With block-causal models this makes caching exact.
+
+Cache modes (W = width of the window each step runs, NFE = forward passes):
+  none    every step runs the whole canvas [B, P+G] (logits only for the current block).
+  prefix  block-causal: prefill the prompt once; the first step of block j runs [block j-1, block j]
+          (writing block j-1's final K/V and scoring block j in one pass), later steps run only
+          block j against the cache. Exact. Bidirectional: the first step of each block is a full
+          pass that refreshes the whole cache; later steps run [block j .. end] (always G columns:
+          the cache has G extra padding columns) against the refreshed prefix. Approximate.
+  dual    block-causal: same as prefix (later blocks are invisible anyway). Exact.
+          Bidirectional: refresh at block start, then run only block j against the stale prefix
+          and suffix (Fast-dLLM's dual cache). Approximate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax import model as M
+from clover_jax.config import ModelConfig
+from clover_jax.layers import attention_mask
+from clover_jax.sampler_scoring import (
+    draw_tokens,
+    filter_logits,
+    guide,
+    score_tokens,
+    select_commits,
+    transfer_count,
+)
+
+Array = jax.Array
+CACHE_MODES = ("none", "prefix", "dual")
+
+# forward_fn(weights, tokens [R, W], positions [R, W], mask [R, W, S], cache | None, cache_offset,
+#            logits_start, logits_len) -> (logits [R, logits_len, V] float32, cache | None)
+ForwardFn = Callable[..., tuple[Array, Any]]
+# init_cache_fn(rows, length) -> cache pytree
+InitCacheFn = Callable[[int, int], Any]
+
+
+@dataclass(frozen=True)
+class ModelForward:
+    """The real model as the sampler's forward function (hashable, so programs can be cached)."""
+
+    cfg: ModelConfig
+    dispatch: str | None = None
+
+    def __call__(self, weights, tokens, positions, mask, cache, cache_offset, logits_start, logits_len):
+        out = M.forward(weights, self.cfg, tokens, positions, mask, cache, cache_offset,
+                        logits_start=logits_start, logits_len=logits_len, dispatch=self.dispatch)
+        return out.logits, out.cache
+
+    def init_cache(self, rows: int, length: int) -> M.KVCache:
+        return M.init_cache(self.cfg, rows, length)
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """Everything that changes the compiled program (its shapes or its code)."""
+
+    model: ModelConfig
+    batch: int  # batch bucket B
+    prompt_len: int  # prompt bucket P
+    gen_length: int  # G
+    block_length: int  # L
+    cache: str = "none"
+    guidance: bool = False  # classifier-free guidance doubles the rows; its scale stays dynamic
+    progress: bool = False  # compile in the progress callback
+    record_logits: bool = False  # keep the logits each token was committed from (tests, debugging)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+
+class Knobs(NamedTuple):
+    """Traced sampling settings: changing any of them reuses the compiled program."""
+
+    steps: Array  # int32, total refinement steps (split evenly over blocks)
+    temperature: Array  # float32, 0 = greedy
+    top_p: Array  # float32, 1 = off
+    top_k: Array  # int32, 0 = off
+    threshold: Array  # float32, 0 = off
+    entropy_bound: Array  # float32, 0 = off
+    cfg_scale: Array  # float32 (used only by a guidance program)
+    remasking: Array  # int32 index into sampler_scoring.STRATEGIES
+    eos_stop: Array  # bool
+    seed: Array  # uint32
+
+
+def make_knobs(*, steps: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               threshold: float = 0.0, entropy_bound: float = 0.0, cfg_scale: float = 0.0,
+               remasking: int = 0, eos_stop: bool = True, seed: int = 0) -> Knobs:
+    """Host arrays with fixed dtypes, so every call hits the same compiled signature."""
+    return Knobs(np.int32(steps), np.float32(temperature), np.float32(top_p), np.int32(top_k),
+                 np.float32(threshold), np.float32(entropy_bound), np.float32(cfg_scale),
+                 np.int32(remasking), np.bool_(eos_stop), np.uint32(seed % 2**32))
+
+
+class ProgramOut(NamedTuple):
+    tokens: Array  # [B, G] the generated columns (EOS-filled after a stop)
+    nfe: Array  # forward passes (a guided pass over 2B rows counts once; prefill counts)
+    steps: Array  # commit steps run
+    committed: Array  # [B] tokens committed by the sampler per row (EOS fill not counted)
+    logits: Array | None  # [B, G, V] logits each position was committed from (record_logits)
+
+
+# The progress callback is looked up at run time, so one compiled program serves any callback.
+_progress_sink: list[Callable[[np.ndarray, int, int], None] | None] = [None]
+
+
+def set_progress_sink(fn: Callable[[np.ndarray, int, int], None] | None) -> None:
+    _progress_sink[0] = fn
+
+
+def _emit(tokens: np.ndarray, block: np.ndarray, nfe: np.ndarray) -> None:
+    fn = _progress_sink[0]
+    if fn is not None:
+        fn(np.asarray(tokens), int(block), int(nfe))
+
+
+def _dslice(x: Array, start: Array | int, size: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+class _State(NamedTuple):
+    canvas: Array
+    cache: Any
+    logits: Any
+    key: Array
+    block: Array
+    step: Array
+    nfe: Array
+    steps: Array
+    committed: Array
+    n_sched: Array
+
+
+def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: Array, prompt_len: Array,
+                knobs: Knobs) -> ProgramOut:
+    """The whole denoising loop. prompt [B, P] left-padded int32, prompt_len [B] (0 = a filler row)."""
+    cfg = spec.model
+    b, p, g, bl = spec.batch, spec.prompt_len, spec.gen_length, spec.block_length
+    t = p + g
+    n_blocks = spec.n_blocks
+    mode = spec.cache
+    bidir = not cfg.is_block_causal
+    extra = g if (mode == "prefix" and bidir) else 0  # fixed-width [block j .. end] windows
+    s = t + extra
+    mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
+
+    col = jnp.arange(s)
+    prompt_len = prompt_len.astype(jnp.int32)
+    valid = (col[None] >= p - prompt_len[:, None]) & (col[None] < t)
+    positions = M.default_positions(valid)
+    block_ids = jnp.where(col[None] < p, positions // cfg.block_size, p + (col[None] - p) // bl)
+    is_prompt = valid & (col[None] < p)
+    gen_init = jnp.where(prompt_len[:, None] > 0, mask_id, eos_id) * jnp.ones((1, g), jnp.int32)
+    canvas = jnp.concatenate(
+        [prompt.astype(jnp.int32), gen_init, jnp.full((b, extra), cfg.pad_token_id, jnp.int32)], axis=1)
+
+    rows = (lambda x: jnp.concatenate([x, x], axis=0)) if spec.guidance else (lambda x: x)
+    valid_r, pos_r, ids_r = rows(valid), rows(positions), rows(block_ids)
+
+    def model_rows(cv: Array) -> Array:
+        if not spec.guidance:
+            return cv
+        return jnp.concatenate([cv, jnp.where(is_prompt, mask_id, cv)], axis=0)  # unconditional: prompt masked
+
+    def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int) -> tuple[Array, Any]:
+        toks = _dslice(model_rows(cv), lo, width)
+        qv, qi = _dslice(valid_r, lo, width), _dslice(ids_r, lo, width)
+        kv, ki = (valid_r, ids_r) if cache is not None else (qv, qi)
+        mask = attention_mask(qv, qi, kv, ki, cfg.is_block_causal)
+        logits, cache = forward_fn(weights, toks, _dslice(pos_r, lo, width), mask, cache,
+                                   jnp.asarray(lo, jnp.int32), logits_start, bl)
+        logits = logits.astype(jnp.float32)
+        if spec.guidance:
+            logits = guide(logits[:b], logits[b:], knobs.cfg_scale)
+        return logits, cache
+
+    spb = jnp.maximum(knobs.steps // n_blocks, 1)
+    gcol = jnp.arange(g)
+
+    def eos_fill(cv: Array) -> Array:
+        gen = cv[:, p:t]
+        is_eos = gen == eos_id
+        first = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), g)
+        open_before = jnp.any((gen == mask_id) & (gcol[None] < first[:, None]), axis=1)
+        stop = knobs.eos_stop & (first < g) & ~open_before
+        gen = jnp.where(stop[:, None] & (gcol[None] > first[:, None]), eos_id, gen)
+        return jax.lax.dynamic_update_slice_in_dim(cv, gen, p, axis=1)
+
+    def commit(st: _State, logits: Array) -> _State:
+        lo = p + st.block * bl
+        key, k_draw, k_score = jax.random.split(st.key, 3)
+        blk = _dslice(st.canvas, lo, bl)
+        masked = blk == mask_id
+        filtered = filter_logits(logits, knobs.top_k, knobs.top_p)
+        drawn = draw_tokens(filtered, k_draw, knobs.temperature)
+        scores = score_tokens(filtered, drawn, knobs.remasking, k_score)
+        n = transfer_count(st.n_sched, spb, st.step)
+        chosen = select_commits(scores, masked, n, knobs.threshold, knobs.entropy_bound)
+        cv = jax.lax.dynamic_update_slice_in_dim(st.canvas, jnp.where(chosen, drawn, blk), lo, axis=1)
+        cv = eos_fill(cv)
+        rec = st.logits
+        if spec.record_logits:
+            old = jax.lax.dynamic_slice_in_dim(rec, lo - p, bl, axis=1)
+            rec = jax.lax.dynamic_update_slice_in_dim(rec, jnp.where(chosen[..., None], logits, old), lo - p, axis=1)
+        if spec.progress:
+            jax.debug.callback(_emit, cv[:, p:t], st.block, st.nfe + 1, ordered=True)
+        return st._replace(canvas=cv, logits=rec, key=key, step=st.step + 1, nfe=st.nfe + 1,
+                           steps=st.steps + 1, committed=st.committed + jnp.sum(chosen, axis=1, dtype=jnp.int32))
+
+    def block_masked(cv: Array, blk_idx: Array) -> Array:
+        return _dslice(cv, p + blk_idx * bl, bl) == mask_id
+
+    def first_step(st: _State) -> _State:
+        lo = p + st.block * bl
+        if bidir:  # refresh the whole cache from the current canvas, score block j from the same pass
+            logits, cache = call(st.canvas, st.cache, 0, t, lo)
+        else:  # re-encode block j-1 (now final) into the cache and score block j in one pass
+            logits, cache = call(st.canvas, st.cache, lo - bl, 2 * bl, bl)
+        return commit(st._replace(cache=cache), logits)
+
+    def later_step(st: _State) -> _State:
+        lo = p + st.block * bl
+        if mode == "none":
+            logits, cache = call(st.canvas, None, 0, t, lo)
+        elif bidir and mode == "prefix":
+            logits, cache = call(st.canvas, st.cache, lo, g, 0)
+        else:
+            logits, cache = call(st.canvas, st.cache, lo, bl, 0)
+        return commit(st._replace(cache=cache if mode != "none" else st.cache), logits)
+
+    def inner_cond(st: _State) -> Array:
+        return (st.step < spb) & jnp.any(block_masked(st.canvas, st.block))
+
+    def block_body(st: _State) -> _State:
+        st = st._replace(step=jnp.int32(0), n_sched=jnp.sum(block_masked(st.canvas, st.block), axis=1))
+        if mode != "none":
+            st = first_step(st)
+        st = jax.lax.while_loop(inner_cond, later_step, st)
+        return st._replace(block=st.block + 1)
+
+    def outer_cond(st: _State) -> Array:
+        return (st.block < n_blocks) & jnp.any(st.canvas[:, p:t] == mask_id)
+
+    n_rows = 2 * b if spec.guidance else b
+    cache = None
+    nfe = jnp.int32(0)
+    if mode != "none":
+        init = forward_fn.init_cache if hasattr(forward_fn, "init_cache") else None
+        if init is None:
+            raise TypeError("cache modes need a forward function with an init_cache(rows, length) method")
+        cache = init(n_rows, s)
+        if not bidir:  # block-causal: the prompt's K/V never change, encode them once
+            _, cache = call(canvas, cache, 0, p, 0)
+            nfe = jnp.int32(1)
+    rec = jnp.zeros((b, g, cfg.vocab_size), jnp.float32) if spec.record_logits else None
+    st = _State(canvas, cache, rec, jax.random.key(knobs.seed), jnp.int32(0), jnp.int32(0), nfe, jnp.int32(0),
+                jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
+    st = jax.lax.while_loop(outer_cond, block_body, st)
+    return ProgramOut(st.canvas[:, p:t], st.nfe, st.steps, st.committed, st.logits)
+
+
+# The lower-level jitted entry point: jitted_program(spec, forward_fn, weights, prompt, prompt_len, knobs).
+jitted_program = jax.jit(run_program, static_argnums=(0, 1))
