@@ -1,0 +1,243 @@
+"""Streaming conversion between native checkpoints and HuggingFace safetensors directories.
+
+`convert(src, dst)` picks the direction from `src`: a native checkpoint (config.json with a
+`family` and a `weights/` directory) is exported to HF, anything else is read as HF. Every check
+(layout, config, key set, shapes, dtypes, file integrity) runs before the first byte is written;
+the destination appears only when complete (temp directory renamed into place).
+
+Memory: tensors are read and written one key-map group at a time (one projection of one layer's
+experts at most), never the whole model.
+
+Layouts: one module each (clover, llada2_moe, llada_moe, qwen3_moe) with `detect`,
+`config_from_hf`, `config_to_hf` and `groups`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from clover_jax import checkpoint as C
+from clover_jax.config import ModelConfig
+from clover_jax.convert import clover, llada2_moe, llada_moe, qwen3_moe
+from clover_jax.convert import hf_io as IO
+from clover_jax.convert import mapping as M
+from clover_jax.convert.common import ConversionError
+
+LAYOUTS = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe)}
+SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
+IGNORED_KEYS = re.compile(r".*\.rotary_emb\.inv_freq$")
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+__all__ = ["LAYOUTS", "ConversionError", "convert", "hf_to_native", "is_native", "native_to_hf"]
+
+
+def is_native(path: str) -> bool:
+    cfg = os.path.join(path, C.CONFIG_FILE)
+    if not (os.path.isdir(os.path.join(path, C.WEIGHTS_DIR)) and os.path.isfile(cfg)):
+        return False
+    try:
+        with open(cfg) as f:
+            return "family" in json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def convert(src: str, dst: str, **kw: Any) -> str:
+    if not os.path.isdir(src):
+        raise ConversionError(f"source {src!r} is not a directory")
+    if os.path.lexists(dst) and not kw.get("force"):
+        raise ConversionError(f"destination {dst} already exists (use --force to replace it)")
+    if is_native(src):
+        kw.pop("allow_pickle", None)
+        kw.pop("mask_token_id", None)
+        return native_to_hf(src, dst, **kw)
+    kw.pop("max_shard_bytes", None)
+    return hf_to_native(src, dst, **kw)
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not enabled, mininterval=0.5, dynamic_ncols=True)
+
+
+def _pattern(key: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", key)
+
+
+def _summary(items: list[str], n: int = 6) -> str:
+    return ", ".join(items[:n]) + (f" ... and {len(items) - n} more" if len(items) > n else "")
+
+
+def _read_hf_config(src: str) -> dict[str, Any]:
+    path = os.path.join(src, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{src} has no config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path} is not a JSON object")
+    return hf
+
+
+def _layout_of(hf: dict[str, Any], layout: str | None) -> Any:
+    if layout:
+        if layout not in LAYOUTS:
+            raise ConversionError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+        return LAYOUTS[layout]
+    for mod in LAYOUTS.values():
+        if mod.detect(hf):
+            return mod
+    raise ConversionError(
+        f"cannot tell the layout from config.json (model_type {hf.get('model_type')!r}, architectures "
+        f"{hf.get('architectures')}); known layouts: {', '.join(LAYOUTS)} (or pass --layout)")
+
+
+def _check_tensors(cfg: ModelConfig, groups: list[M.Group], src: Any) -> dict[str, str]:
+    """Key set, shapes and dtypes against the config; returns {key pattern: dtype} of the source."""
+    expected = {k: (s, g.kind) for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)}
+    found = {k: v for k, v in src.tensors.items() if not IGNORED_KEYS.match(k)}
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {_summary(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_summary(extra)}")
+    bad_shapes = [f"{k} is {tuple(found[k].shape)}, expected {tuple(expected[k][0])}"
+                  for k in sorted(set(expected) & set(found)) if tuple(found[k].shape) != tuple(expected[k][0])]
+    if bad_shapes:
+        problems.append("shapes that disagree with config.json: " + _summary(bad_shapes, 4))
+    bad_dtypes = []
+    dtypes: dict[str, str] = {}
+    for k in sorted(set(expected) & set(found)):
+        dt, kind = found[k].dtype, expected[k][1]
+        if kind == "matmul" and dt != cfg.dtype:
+            bad_dtypes.append(f"{k} is {dt}, the model is {cfg.dtype}")
+        elif kind == "float32" and dt not in ("float32", "bfloat16", "float16"):
+            bad_dtypes.append(f"{k} is {dt}, expected a float type")
+        pat = _pattern(k)
+        if dtypes.setdefault(pat, dt) != dt:
+            bad_dtypes.append(f"{k} is {dt} but other {pat} tensors are {dtypes[pat]}")
+    if bad_dtypes:
+        problems.append("dtypes: " + _summary(bad_dtypes, 4))
+    if problems:
+        raise ConversionError(f"the tensors in {src.directory} do not match a {cfg.family} model "
+                              f"as its config.json describes it: " + "; ".join(problems))
+    return dtypes
+
+
+def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: int | None = None,
+                 allow_pickle: bool = False, force: bool = False, progress: bool = True) -> str:
+    hf = _read_hf_config(src)
+    mod = _layout_of(hf, layout)
+    source = IO.open_source(src, allow_pickle)
+    try:
+        name = os.path.basename(os.path.normpath(src))
+        probe = mod.config_from_hf(hf, name, "float32", mask_token_id)
+        embed_key = next(g.hf[0] for g in mod.groups(probe) if g.native == (("embed", None),))
+        if embed_key not in source.tensors:
+            raise ConversionError(f"the tensors in {src} lack the embedding {embed_key!r} "
+                                  f"(is this really a {mod.NAME} checkpoint?)")
+        dtype = source.tensors[embed_key].dtype
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConversionError(f"the embedding {embed_key} has dtype {dtype}; expected a float type")
+        cfg = mod.config_from_hf(hf, name, dtype, mask_token_id)
+        fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in source.tensors)
+        groups = mod.groups(cfg, fused_experts=fused)
+        dtypes = _check_tensors(cfg, groups, source)
+
+        specs = C.expected_leaves(cfg)
+        slot_of: dict[M.Slot, tuple[M.Group, int]] = {}
+        for g in groups:
+            for pos, slot in enumerate(g.native):
+                slot_of[slot] = (g, pos)
+        missing = [f"{n}[{i}]" for n, s in specs.items()
+                   for i in ([None] if "layers." not in n else range(s.shape[0])) if (n, i) not in slot_of]
+        if missing:  # a layout bug, not bad input
+            raise ConversionError(f"internal: layout {mod.NAME} does not produce {_summary(missing)}")
+
+        bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()), "import", progress)
+
+        def reader(name: str, spec: Any) -> Callable[[int], np.ndarray]:
+            stacked = "layers." in name
+
+            def read(i: int) -> np.ndarray:
+                g, pos = slot_of[(name, i if stacked else None)]
+                out = np.asarray(g.to_native([source.get(k) for k in g.hf])[pos]).astype(spec.dtype, copy=False)
+                bar.update(out.nbytes)
+                return out
+
+            return read
+
+        leaves = {n: C.LazyLeaf(s.shape, np.dtype(s.dtype), reader(n, s), sliced="layers." in n)
+                  for n, s in specs.items()}
+        record = {"layout": mod.NAME, "fused_experts": fused, "dtypes": dtypes, "config": hf}
+        try:
+            out = C.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
+                                   extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
+        finally:
+            bar.close()
+        return out
+    finally:
+        source.close()
+
+
+def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 force: bool = False, progress: bool = True) -> str:
+    reader = C.WeightReader(src)
+    cfg = reader.config
+    record: dict[str, Any] = {}
+    rec_path = os.path.join(src, SOURCE_FILE)
+    if os.path.isfile(rec_path):
+        with open(rec_path) as f:
+            record = json.load(f)
+    name = layout or record.get("layout") or cfg.family
+    if name not in LAYOUTS:
+        raise ConversionError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
+    mod = LAYOUTS[name]
+    hf_cfg = mod.config_to_hf(cfg)  # refuses configs the layout cannot express
+    source_cfg = record.get("config") if record.get("layout") == name else None
+    if source_cfg is not None:
+        # Unchanged config: write the original file back verbatim; else update it with the new values.
+        same = mod.config_from_hf(source_cfg, cfg.name, cfg.dtype, cfg.mask_token_id) == cfg
+        hf_cfg = source_cfg if same else {**source_cfg, **hf_cfg}
+    groups = mod.groups(cfg, fused_experts=bool(record.get("fused_experts")) and source_cfg is not None)
+    dtypes = record.get("dtypes", {}) if source_cfg is not None else {}
+    specs = C.expected_leaves(cfg)
+
+    def out_dtype(key: str, slot: M.Slot) -> str:
+        return dtypes.get(_pattern(key)) or np.dtype(specs[slot[0]].dtype).name
+
+    plan = [IO.PlannedTensor(k, tuple(s), out_dtype(k, g.native[0]))
+            for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)]
+    bar = _progress(sum(t.nbytes for t in plan), "export", progress)
+    try:
+        with C.atomic_directory(dst, force) as tmp:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(hf_cfg, f, indent=2, sort_keys=True)
+            C.copy_tokenizer_files(src, tmp)
+            writer = IO.ShardedWriter(tmp, plan, max_shard_bytes)
+            i = 0
+            for g in groups:
+                outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
+                for key, a in zip(g.hf, outs, strict=True):
+                    a = a.astype(IO.np_dtype(plan[i].dtype), copy=False)
+                    writer.write(key, a)
+                    bar.update(a.nbytes)
+                    i += 1
+            writer.finish()
+    finally:
+        bar.close()
+    return os.path.abspath(dst)

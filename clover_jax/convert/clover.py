@@ -1,0 +1,70 @@
+"""`clover`: this project's own HuggingFace layout (model_type `clover_moe`).
+
+Keys follow Qwen3-MoE, plus what Clover adds:
+  model.layers.{i}.self_attn.gate_proj.weight     [heads * head_dim, D]  sigmoid output gate, per head
+  model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight          ungated shared expert(s), fused
+  model.layers.{i}.mlp.gate.expert_bias           [E]                     selection bias (when enabled)
+  model.layers.{i}.mlp.{gate,up,down}_proj.weight                         dense layers (the first k)
+config.json carries the Qwen-style fields plus every Clover field under its native name, so the
+native config round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from clover_jax.config import ModelConfig
+from clover_jax.convert import common as K
+from clover_jax.convert import mapping as M
+from clover_jax.convert.qwen3_moe import ATTN
+
+NAME = "clover"
+ATTN_GATED = {**ATTN, "gate": "gate_proj"}
+_MAPPED = set(K.COMMON_FIELDS) | {"name", "family", "dtype"}
+
+
+def detect(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") == "clover_moe" or "CloverMoeForDiffusionLM" in (hf.get("architectures") or [])
+
+
+def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    f = K.common_from_hf(hf, NAME)
+    for field in dataclasses.fields(ModelConfig):
+        if field.name not in _MAPPED and field.name in hf:
+            f[field.name] = hf[field.name]
+    f["rope_theta"] = K.rope_theta(hf, f.get("rope_theta"))
+    f["dtype"] = dtype
+    if mask_token_id is not None:
+        f["mask_token_id"] = mask_token_id
+    return K.make_config(hf.get("name") or name, NAME, f)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    out = K.common_to_hf(cfg)
+    out.update({k: v for k, v in cfg.to_dict().items() if k not in _MAPPED})
+    out.update(model_type="clover_moe", architectures=["CloverMoeForDiffusionLM"], name=cfg.name,
+               shared_expert_intermediate_size=cfg.shared_mlp_dim, first_k_dense_replace=cfg.n_dense_layers,
+               intermediate_size=cfg.dense_mlp_dim)
+    return out
+
+
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
+    g = M.ends(cfg, "model.embed_tokens.weight")
+    for layer in range(cfg.n_layers):
+        stack, i, moe = M.layer_stack(cfg, layer)
+        p = f"model.layers.{layer}"
+        g += [M.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (cfg.d_model,)),
+              M.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (cfg.d_model,))]
+        g += M.attention_groups(f"{p}.self_attn", stack, i, cfg, ATTN_GATED)
+        if moe:
+            g.append(M.linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (cfg.d_model, cfg.n_experts), 1,
+                              kind="float32"))
+            if cfg.use_expert_bias:
+                g.append(M.copy(f"{p}.mlp.gate.expert_bias", ("moe_layers.mlp.expert_bias", i), (cfg.n_experts,)))
+            g += M.expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
+            if cfg.n_shared_experts:
+                g += M.mlp_groups(f"{p}.mlp.shared_expert", stack, i, "mlp.shared", cfg.d_model, cfg.shared_mlp_dim)
+        else:
+            g += M.mlp_groups(f"{p}.mlp", stack, i, "mlp", cfg.d_model, cfg.dense_mlp_dim)
+    return g

@@ -1,0 +1,97 @@
+"""Pieces every layout shares: the error type and HF config.json field translation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clover_jax.config import ConfigError, ModelConfig
+
+
+class ConversionError(ValueError):
+    """Input that cannot be converted; the message names the key, file or field at fault."""
+
+
+# native field -> HF field, in the Qwen/Llama naming most HF configs share
+COMMON_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "n_experts": "num_experts",
+    "n_experts_per_tok": "num_experts_per_tok",
+    "expert_mlp_dim": "moe_intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "eos_token_id": "eos_token_id",
+    "pad_token_id": "pad_token_id",
+}
+
+TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def need(hf: dict[str, Any], field: str, layout: str) -> Any:
+    if field not in hf or hf[field] is None:
+        raise ConversionError(f"config.json ({layout}) lacks the field {field!r}")
+    return hf[field]
+
+
+def refuse(cond: bool, msg: str) -> None:
+    if cond:
+        raise ConversionError(f"unsupported config.json: {msg}")
+
+
+def rope_theta(hf: dict[str, Any], default: float | None = None) -> float:
+    """transformers 5 keeps it in `rope_parameters`; older configs at top level."""
+    rp = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    refuse(kind != "default", f"rope type {kind!r} (only the default RoPE is implemented)")
+    theta = rp.get("rope_theta", hf.get("rope_theta", default))
+    if theta is None:
+        raise ConversionError("config.json has no rope_theta (top level or in rope_parameters)")
+    return float(theta)
+
+
+def token_id(value: Any) -> int | None:
+    """eos_token_id may be a list in HF configs: take the first."""
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def common_from_hf(hf: dict[str, Any], layout: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for native, field in COMMON_FIELDS.items():
+        if field in hf and hf[field] is not None:
+            out[native] = token_id(hf[field]) if native.endswith("token_id") else hf[field]
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
+        if f not in out:
+            need(hf, COMMON_FIELDS[f], layout)
+    out.setdefault("n_kv_heads", out["n_heads"])
+    out.setdefault("head_dim", out["d_model"] // out["n_heads"])
+    for tok in ("eos_token_id", "pad_token_id"):
+        if out.get(tok) is None:
+            out.pop(tok, None)
+    return out
+
+
+def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    out = {hf: d[native] for native, hf in COMMON_FIELDS.items()}
+    out["rope_theta"] = cfg.rope_theta
+    out["rope_parameters"] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    out["torch_dtype"] = out["dtype"] = TORCH_DTYPES[cfg.dtype]
+    out["hidden_act"] = "silu"
+    out["attention_bias"] = False
+    out["mask_token_id"] = cfg.mask_token_id
+    return out
+
+
+def make_config(name: str, family: str, fields: dict[str, Any]) -> ModelConfig:
+    try:
+        return ModelConfig(name=name, family=family, **fields)  # type: ignore[arg-type]
+    except (ConfigError, TypeError) as e:
+        raise ConversionError(f"config.json describes no valid {family} model: {e}") from e

@@ -1,0 +1,242 @@
+"""Reading and writing HuggingFace weight files, one tensor at a time.
+
+Reading: `open_source(dir)` indexes every tensor of a directory (safetensors with or without
+`model.safetensors.index.json`; PyTorch `.bin` pickles only when explicitly allowed, loaded with
+`torch.load(weights_only=True, mmap=True)`) from headers only, and `get(key)` reads one tensor.
+
+Writing: `ShardedWriter` is given the full list of (key, shape, dtype) up front, plans shards of
+bounded size, and writes each safetensors file header-first, then tensors in order as they come,
+so no shard is ever assembled in memory. It finishes with `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clover_jax.convert.common import ConversionError
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
+
+# safetensors dtype names <-> numpy (bfloat16 via ml_dtypes, as jax uses)
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+NP_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+def np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(name) if name != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy name
+
+
+class SafetensorsSource:
+    """Every tensor of a HF directory, indexed from file headers; `get` reads one."""
+
+    def __init__(self, directory: str, files: Sequence[str]) -> None:
+        from safetensors import safe_open
+
+        self.directory = directory
+        self.tensors: dict[str, TensorInfo] = {}
+        self._handles: dict[str, Any] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            _check_safetensors_file(path)
+            try:
+                h = safe_open(path, framework="numpy")
+                h.__enter__()
+            except Exception as e:
+                raise ConversionError(f"cannot open {path}: {e}") from e
+            self._handles[name] = h
+            for key in h.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+                if key in self.tensors:
+                    raise ConversionError(f"tensor {key!r} appears in both {self.tensors[key].file} and {name}")
+                sl = h.get_slice(key)
+                dt = ST_DTYPES.get(sl.get_dtype())
+                if dt is None:
+                    raise ConversionError(f"tensor {key!r} in {name} has unsupported dtype {sl.get_dtype()}")
+                self.tensors[key] = TensorInfo(name, tuple(sl.get_shape()), dt)
+
+    def get(self, key: str) -> np.ndarray:
+        info = self.tensors[key]
+        return self._handles[info.file].get_tensor(key)
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.__exit__(None, None, None)
+        self._handles.clear()
+
+
+def _check_safetensors_file(path: str) -> None:
+    """A clear error for a truncated or corrupt file, before safetensors' own terse one."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConversionError(f"{path} is truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ConversionError(f"{path} is truncated: its header claims {n} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{path} has a corrupt safetensors header: {e}") from e
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ConversionError(f"{path} is truncated: its tensors need {8 + n + end} bytes, the file has {size}")
+
+
+class PickleSource:
+    """PyTorch `.bin` files, only with --allow-pickle: torch.load(weights_only=True, mmap=True)."""
+
+    def __init__(self, directory: str, files: Sequence[str]) -> None:
+        import torch
+
+        self.directory = directory
+        self.tensors: dict[str, TensorInfo] = {}
+        self._state: dict[str, Any] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise ConversionError(f"cannot load {path} with torch.load(weights_only=True): {e}") from e
+            for key, t in sd.items():
+                if not isinstance(t, torch.Tensor):
+                    raise ConversionError(f"{path}: entry {key!r} is not a tensor")
+                self._state[key] = t
+                self.tensors[key] = TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+    def get(self, key: str) -> np.ndarray:
+        import torch
+
+        t = self._state[key].contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np_dtype("bfloat16")).copy()
+        return t.numpy().copy()
+
+    def close(self) -> None:
+        self._state.clear()
+
+
+def open_source(directory: str, allow_pickle: bool = False) -> SafetensorsSource | PickleSource:
+    names = sorted(os.listdir(directory))
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConversionError(f"{index} is not a valid safetensors index: {e}") from e
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(directory, f))]
+        if missing:
+            raise ConversionError(f"{INDEX_FILE} names files that do not exist: {', '.join(missing)}")
+        src = SafetensorsSource(directory, files)
+        bad = sorted(k for k, f in weight_map.items() if k not in src.tensors or src.tensors[k].file != f)
+        if bad:
+            src.close()
+            raise ConversionError(f"{INDEX_FILE} disagrees with the files for: {', '.join(bad[:5])}"
+                                  + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""))
+        return src
+    st = [n for n in names if n.endswith(".safetensors")]
+    if st:
+        return SafetensorsSource(directory, st)
+    bins = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+    if bins:
+        if not allow_pickle:
+            raise ConversionError(
+                f"{directory} holds only pickled PyTorch weights ({', '.join(bins)}); unpickling can run arbitrary "
+                "code, so it is refused. Pass --allow-pickle to load them with torch.load(weights_only=True)")
+        return PickleSource(directory, bins)
+    raise ConversionError(f"{directory} holds no weights (*.safetensors, or *.bin with --allow-pickle)")
+
+
+# ---- writing ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np_dtype(self.dtype).itemsize
+
+
+class ShardedWriter:
+    """Writes planned tensors, in plan order, into `model-0000i-of-0000n.safetensors` files."""
+
+    def __init__(self, directory: str, plan: Sequence[PlannedTensor], max_shard_bytes: int) -> None:
+        self.directory = directory
+        self.plan = list(plan)
+        shards: list[list[PlannedTensor]] = [[]]
+        size = 0
+        for t in self.plan:
+            if shards[-1] and size + t.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(t)
+            size += t.nbytes
+        n = len(shards)
+        self.files = (["model.safetensors"] if n == 1
+                      else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        self.shards = shards
+        self._pos = 0  # index into plan of the next tensor
+        self._shard = -1
+        self._in_shard = 0
+        self._f: Any = None
+
+    def _open_next(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        self._shard += 1
+        self._in_shard = 0
+        tensors = self.shards[self._shard]
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for t in tensors:
+            header[t.key] = {"dtype": NP_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._f = open(os.path.join(self.directory, self.files[self._shard]), "wb")  # noqa: SIM115
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, key: str, array: np.ndarray) -> None:
+        t = self.plan[self._pos]
+        if key != t.key or tuple(array.shape) != t.shape or array.dtype != np_dtype(t.dtype):
+            raise ConversionError(f"internal: wrote {key} {array.shape} {array.dtype}, planned {t}")
+        if self._f is None or self._in_shard == len(self.shards[self._shard]):
+            self._open_next()
+        self._f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # no copy; little-endian hosts
+        self._in_shard += 1
+        self._pos += 1
+
+    def finish(self) -> None:
+        if self._pos != len(self.plan):
+            raise ConversionError(f"internal: wrote {self._pos} of {len(self.plan)} planned tensors")
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        if len(self.files) > 1:
+            weight_map = {t.key: self.files[s] for s, shard in enumerate(self.shards) for t in shard}
+            index = {"metadata": {"total_size": sum(t.nbytes for t in self.plan)}, "weight_map": weight_map}
+            with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)

@@ -1,0 +1,90 @@
+"""`llada2_moe`: LLaDA2.0-mini / -flash (LLaDA2MoeModelLM), keys as in the public checkpoints.
+
+Fused `attention.query_key_value` (rows [q heads | k heads | v heads]), `attention.dense` output,
+`query_layernorm` / `key_layernorm`, sigmoid router `mlp.gate.weight` + `mlp.gate.expert_bias`,
+routed experts `mlp.experts.{e}.*`, one fused shared expert `mlp.shared_experts.*`, and the first
+`first_k_dense_replace` layers dense (`mlp.{gate,up,down}_proj`). Block-causal, blocks of 32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clover_jax.config import ModelConfig
+from clover_jax.convert import common as K
+from clover_jax.convert import mapping as M
+
+NAME = "llada2_moe"
+MASK_TOKEN_ID = 156_895
+EOS_TOKEN_ID = 156_892
+
+
+def detect(hf: dict[str, Any]) -> bool:
+    return (str(hf.get("model_type", "")).startswith("llada2_moe")
+            or "LLaDA2MoeModelLM" in (hf.get("architectures") or []))
+
+
+def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    f = K.common_from_hf(hf, NAME)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        K.need(hf, key, NAME)
+    K.refuse(bool(hf.get("use_bias")) or bool(hf.get("use_qkv_bias")), "use_bias / use_qkv_bias")
+    K.refuse(hf.get("score_function", "sigmoid") != "sigmoid", f"score_function {hf.get('score_function')!r}")
+    n_dense = int(hf.get("first_k_dense_replace") or 0)
+    n_shared = int(hf.get("num_shared_experts") or 0)
+    partial = hf.get("partial_rotary_factor")
+    if partial is None and hf.get("rotary_dim"):
+        partial = hf["rotary_dim"] / f["head_dim"]
+    f.update(n_dense_layers=n_dense, dense_mlp_dim=int(hf.get("intermediate_size") or 0) if n_dense else 0,
+             n_shared_experts=n_shared, shared_mlp_dim=n_shared * f["expert_mlp_dim"], router="sigmoid",
+             norm_topk_prob=True, n_expert_groups=int(hf.get("n_group") or 1),
+             topk_groups=int(hf.get("topk_group") or 1),
+             routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+             use_expert_bias=bool(hf.get("moe_router_enable_expert_bias", True)), attention="block_causal",
+             block_size=int(hf.get("block_size") or 32), qk_norm=True, rope_theta=K.rope_theta(hf),
+             partial_rotary_factor=float(partial if partial is not None else 0.5), dtype=dtype,
+             mask_token_id=MASK_TOKEN_ID if mask_token_id is None else mask_token_id)
+    f.setdefault("eos_token_id", EOS_TOKEN_ID)
+    return K.make_config(name, NAME, f)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    K.refuse(cfg.attn_output_gate, "llada2_moe has no attention output gate")
+    K.refuse(cfg.router != "sigmoid", "llada2_moe routes with a sigmoid")
+    K.refuse(not cfg.qk_norm, "llada2_moe always uses QK-norm")
+    out = K.common_to_hf(cfg)
+    out.update(model_type="llada2_moe", architectures=["LLaDA2MoeModelLM"], first_k_dense_replace=cfg.n_dense_layers,
+               intermediate_size=cfg.dense_mlp_dim or None, num_shared_experts=cfg.n_shared_experts,
+               n_group=cfg.n_expert_groups, topk_group=cfg.topk_groups,
+               routed_scaling_factor=cfg.routed_scaling_factor, score_function="sigmoid", norm_topk_prob=True,
+               moe_router_enable_expert_bias=cfg.use_expert_bias, partial_rotary_factor=cfg.partial_rotary_factor,
+               rotary_dim=cfg.rotary_dim, use_bias=False, use_qkv_bias=False, use_qk_norm=True,
+               router_dtype="fp32", block_size=cfg.block_size)
+    return out
+
+
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    g = M.ends(cfg, "model.word_embeddings.weight")
+    for layer in range(cfg.n_layers):
+        stack, i, moe = M.layer_stack(cfg, layer)
+        p = f"model.layers.{layer}"
+        a = f"{stack}.attn"
+        g += [M.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (d,)),
+              M.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (d,)),
+              M.fused_qkv(f"{p}.attention.query_key_value.weight", ((f"{a}.q", i), (f"{a}.k", i), (f"{a}.v", i)),
+                          d, h, kv, hd),
+              M.linear(f"{p}.attention.dense.weight", (f"{a}.o", i), (h, hd, d), 2),
+              M.copy(f"{p}.attention.query_layernorm.weight", (f"{a}.q_norm", i), (hd,)),
+              M.copy(f"{p}.attention.key_layernorm.weight", (f"{a}.k_norm", i), (hd,))]
+        if moe:
+            g.append(M.linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (d, cfg.n_experts), 1,
+                              kind="float32"))
+            if cfg.use_expert_bias:
+                g.append(M.copy(f"{p}.mlp.gate.expert_bias", ("moe_layers.mlp.expert_bias", i), (cfg.n_experts,)))
+            g += M.expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
+            if cfg.n_shared_experts:
+                g += M.mlp_groups(f"{p}.mlp.shared_experts", stack, i, "mlp.shared", d, cfg.shared_mlp_dim)
+        else:
+            g += M.mlp_groups(f"{p}.mlp", stack, i, "mlp", d, cfg.dense_mlp_dim)
+    return g

@@ -1,0 +1,160 @@
+"""Key maps between HuggingFace tensors and native weights, as small invertible `Group`s.
+
+A Group ties a few HF tensors to a few native weight slices (one layer of a stacked weight, or an
+unstacked weight) with a pair of pure numpy functions, one per direction. Conversion in either
+direction walks the groups and touches one group's tensors at a time, so memory stays near the
+largest group: one layer's experts of one projection.
+
+Layout conventions: HF `nn.Linear` weights are [out, in]; native projections are [in..., out...]
+(q [D, H, hd], o [H, hd, D]); native experts are stacked [E, D, F] / [E, F, D].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from clover_jax.config import ModelConfig
+
+Slot = tuple[str, int | None]  # (native weight name, index on its leading `layers` axis or None)
+
+
+@dataclass(frozen=True)
+class Group:
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    native: tuple[Slot, ...]
+    to_native: Callable[[Sequence[np.ndarray]], list[np.ndarray]]
+    to_hf: Callable[[Sequence[np.ndarray]], list[np.ndarray]]
+    kind: str = "matmul"  # matmul | float32 (norms, router, bias: stored float32 natively)
+
+
+def _prod(shape: Sequence[int]) -> int:
+    return int(np.prod(shape))
+
+
+def linear(hf_key: str, slot: Slot, native_shape: tuple[int, ...], n_in: int, kind: str = "matmul") -> Group:
+    """HF [out, in] <-> native [in dims..., out dims...]; `n_in` = number of leading input dims."""
+    n_i, n_o = _prod(native_shape[:n_in]), _prod(native_shape[n_in:])
+    return Group(
+        hf=(hf_key,), hf_shapes=((n_o, n_i),), native=(slot,), kind=kind,
+        to_native=lambda a: [np.ascontiguousarray(a[0].T).reshape(native_shape)],
+        to_hf=lambda a: [np.ascontiguousarray(a[0].reshape(n_i, n_o).T)],
+    )
+
+
+def copy(hf_key: str, slot: Slot, shape: tuple[int, ...], kind: str = "float32") -> Group:
+    return Group(hf=(hf_key,), hf_shapes=(shape,), native=(slot,), kind=kind,
+                 to_native=lambda a: [np.asarray(a[0])], to_hf=lambda a: [np.asarray(a[0])])
+
+
+def fused_qkv(hf_key: str, slots: tuple[Slot, Slot, Slot], d: int, h: int, kv: int, hd: int) -> Group:
+    """LLaDA2 `query_key_value` [(h + 2 kv) * hd, D]: rows are [q heads | k heads | v heads]."""
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        w = a[0].T.reshape(d, h + 2 * kv, hd)
+        return [np.ascontiguousarray(w[:, :h]), np.ascontiguousarray(w[:, h:h + kv]),
+                np.ascontiguousarray(w[:, h + kv:])]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(np.concatenate(a, axis=1).reshape(d, -1).T)]
+
+    return Group(hf=(hf_key,), hf_shapes=(((h + 2 * kv) * hd, d),), native=slots, to_native=to_native, to_hf=to_hf)
+
+
+def experts(hf_keys: Sequence[str], slot: Slot, e: int, n_in: int, n_out: int) -> Group:
+    """E per-expert HF Linears [out, in] <-> native stacked [E, in, out]."""
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        out = np.empty((e, n_in, n_out), a[0].dtype)
+        for i, w in enumerate(a):
+            out[i] = w.T
+        return [out]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(a[0][i].T) for i in range(e)]
+
+    return Group(hf=tuple(hf_keys), hf_shapes=((n_out, n_in),) * e, native=(slot,),
+                 to_native=to_native, to_hf=to_hf)
+
+
+def fused_experts_gate_up(hf_key: str, slots: tuple[Slot, Slot], e: int, d: int, f: int) -> Group:
+    """transformers 5 in-memory Qwen-MoE layout: gate_up_proj [E, 2F, D] (gate rows first)."""
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        w = a[0]
+        return [np.ascontiguousarray(w[:, :f].transpose(0, 2, 1)), np.ascontiguousarray(w[:, f:].transpose(0, 2, 1))]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(np.concatenate([a[0], a[1]], axis=2).transpose(0, 2, 1))]
+
+    return Group(hf=(hf_key,), hf_shapes=((e, 2 * f, d),), native=slots, to_native=to_native, to_hf=to_hf)
+
+
+def fused_experts_down(hf_key: str, slot: Slot, e: int, d: int, f: int) -> Group:
+    """transformers 5 in-memory layout: down_proj [E, D, F] <-> native [E, F, D]."""
+    return Group(hf=(hf_key,), hf_shapes=((e, d, f),), native=(slot,),
+                 to_native=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))],
+                 to_hf=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))])
+
+
+# ---- per-layer building blocks shared by the layouts ---------------------------------------------------
+
+
+def mlp_groups(prefix: str, stack: str, i: int, sub: str, d: int, f: int) -> list[Group]:
+    """A SwiGLU MLP `{prefix}.{gate,up,down}_proj.weight` <-> native `{stack}.{sub}.{gate,up,down}`."""
+    return [
+        linear(f"{prefix}.gate_proj.weight", (f"{stack}.{sub}.gate", i), (d, f), 1),
+        linear(f"{prefix}.up_proj.weight", (f"{stack}.{sub}.up", i), (d, f), 1),
+        linear(f"{prefix}.down_proj.weight", (f"{stack}.{sub}.down", i), (f, d), 1),
+    ]
+
+
+def expert_groups(prefix: str, i: int, cfg: ModelConfig, fused: bool) -> list[Group]:
+    """Routed experts under `{prefix}` (e.g. `model.layers.3.mlp.experts`), per-expert or fused."""
+    e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim
+    s = "moe_layers.mlp"
+    if fused:
+        return [fused_experts_gate_up(f"{prefix}.gate_up_proj", ((f"{s}.gate", i), (f"{s}.up", i)), e, d, f),
+                fused_experts_down(f"{prefix}.down_proj", (f"{s}.down", i), e, d, f)]
+    keys = lambda p: [f"{prefix}.{j}.{p}.weight" for j in range(e)]
+    return [experts(keys("gate_proj"), (f"{s}.gate", i), e, d, f),
+            experts(keys("up_proj"), (f"{s}.up", i), e, d, f),
+            experts(keys("down_proj"), (f"{s}.down", i), e, f, d)]
+
+
+def attention_groups(prefix: str, stack: str, i: int, cfg: ModelConfig, names: dict[str, str]) -> list[Group]:
+    """Separate q/k/v/o projections (+ optional output gate, QK-norm) under `{prefix}`; `names` maps
+    q, k, v, o, gate, q_norm, k_norm to HF module names."""
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a = f"{stack}.attn"
+    g = [
+        linear(f"{prefix}.{names['q']}.weight", (f"{a}.q", i), (d, h, hd), 1),
+        linear(f"{prefix}.{names['k']}.weight", (f"{a}.k", i), (d, kv, hd), 1),
+        linear(f"{prefix}.{names['v']}.weight", (f"{a}.v", i), (d, kv, hd), 1),
+        linear(f"{prefix}.{names['o']}.weight", (f"{a}.o", i), (h, hd, d), 2),
+    ]
+    if cfg.attn_output_gate:
+        g.append(linear(f"{prefix}.{names['gate']}.weight", (f"{a}.gate", i), (d, h, hd), 1))
+    if cfg.qk_norm:
+        g += [copy(f"{prefix}.{names['q_norm']}.weight", (f"{a}.q_norm", i), (hd,)),
+              copy(f"{prefix}.{names['k_norm']}.weight", (f"{a}.k_norm", i), (hd,))]
+    return g
+
+
+def layer_stack(cfg: ModelConfig, layer: int) -> tuple[str, int, bool]:
+    """(native stack name, index in the stack, is MoE) of HF layer `layer`."""
+    if layer < cfg.n_dense_layers:
+        return "dense_layers", layer, False
+    return "moe_layers", layer - cfg.n_dense_layers, True
+
+
+def ends(cfg: ModelConfig, embed_key: str, norm_key: str = "model.norm.weight",
+         head_key: str = "lm_head.weight") -> list[Group]:
+    v, d = cfg.vocab_size, cfg.d_model
+    g = [copy(embed_key, ("embed", None), (v, d), kind="matmul"), copy(norm_key, ("final_norm", None), (d,))]
+    if not cfg.tie_embeddings:
+        g.append(linear(head_key, ("lm_head", None), (d, v), 1))
+    return g

@@ -1,0 +1,69 @@
+"""`qwen3_moe`: transformers' Qwen3-MoE (Qwen3MoeForCausalLM), run with a full bidirectional mask.
+
+On disk `save_pretrained` writes per-expert keys `mlp.experts.{e}.{gate,up,down}_proj.weight`;
+transformers 5 holds them fused in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `down_proj`
+[E, D, F]) and some tools save that form, so both are read. Writing uses the per-expert form.
+The HF config has no mask token: it comes from `--mask-token-id` (default: the last id).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clover_jax.config import ModelConfig
+from clover_jax.convert import common as K
+from clover_jax.convert import mapping as M
+
+NAME = "qwen3_moe"
+ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
+
+
+def detect(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (hf.get("architectures") or [])
+
+
+def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    f = K.common_from_hf(hf, NAME)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        K.need(hf, key, NAME)
+    K.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
+    K.refuse(hf.get("decoder_sparse_step", 1) != 1, "decoder_sparse_step != 1")
+    dense = list(hf.get("mlp_only_layers") or [])
+    K.refuse(dense != list(range(len(dense))), f"mlp_only_layers {dense} is not a prefix of the layers")
+    K.refuse(bool(hf.get("use_sliding_window")), "sliding-window attention")
+    f.update(n_dense_layers=len(dense), dense_mlp_dim=int(hf.get("intermediate_size") or 0) if dense else 0,
+             router="softmax", norm_topk_prob=bool(hf.get("norm_topk_prob", False)), attention="bidirectional",
+             qk_norm=True, rope_theta=K.rope_theta(hf), dtype=dtype)
+    f.setdefault("norm_eps", 1e-6)
+    if mask_token_id is not None:
+        f["mask_token_id"] = mask_token_id
+    return K.make_config(name, NAME, f)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    K.refuse(cfg.n_shared_experts > 0, "qwen3_moe has no shared experts")
+    K.refuse(cfg.attn_output_gate, "qwen3_moe has no attention output gate")
+    K.refuse(cfg.router != "softmax" or cfg.use_expert_bias, "qwen3_moe routes with a plain softmax")
+    K.refuse(cfg.partial_rotary_factor != 1.0, "qwen3_moe rotates the full head")
+    out = K.common_to_hf(cfg)
+    out.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=cfg.norm_topk_prob,
+               decoder_sparse_step=1, mlp_only_layers=list(range(cfg.n_dense_layers)),
+               intermediate_size=cfg.dense_mlp_dim or cfg.expert_mlp_dim, use_sliding_window=False)
+    return out
+
+
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
+    g = M.ends(cfg, "model.embed_tokens.weight")
+    for layer in range(cfg.n_layers):
+        stack, i, moe = M.layer_stack(cfg, layer)
+        p = f"model.layers.{layer}"
+        g += [M.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (cfg.d_model,)),
+              M.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (cfg.d_model,))]
+        g += M.attention_groups(f"{p}.self_attn", stack, i, cfg, ATTN)
+        if moe:
+            g.append(M.linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (cfg.d_model, cfg.n_experts), 1,
+                              kind="float32"))
+            g += M.expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
+        else:
+            g += M.mlp_groups(f"{p}.mlp", stack, i, "mlp", cfg.d_model, cfg.dense_mlp_dim)
+    return g

@@ -1,0 +1,315 @@
+"""`clover convert`: HF <-> native for every layout, transformers parity, bad input, atomicity."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from clover_jax import checkpoint as C
+from clover_jax import model
+from clover_jax.cli import main
+from clover_jax.config import get_config
+from clover_jax.convert import LAYOUTS, ConversionError, convert
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+PRESETS = {"clover": "test-clover", "llada2_moe": "test-llada2", "llada_moe": "test-llada-moe",
+           "qwen3_moe": "test-qwen3-moe"}
+
+
+def write_hf(path, tensors: dict, hf_cfg: dict, n_files: int = 2) -> None:
+    """A HF directory: config.json, tensors split over `n_files` safetensors + index, a tokenizer file."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        f.write('{"model_max_length": 512}')
+    keys = sorted(tensors)
+    if n_files == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i in range(n_files):
+        name = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[i::n_files]}
+        save_file(part, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16) -> dict:
+    """Random tensors for every key the layout defines; norms/router/bias in `small_dtype`."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for g in LAYOUTS[layout].groups(cfg):
+        for k, s in zip(g.hf, g.hf_shapes, strict=True):
+            dt = np.dtype(cfg.dtype) if g.kind == "matmul" else small_dtype
+            out[k] = (rng.standard_normal(s, np.float32) * 0.1).astype(dt)
+    return out
+
+
+def read_dir(path) -> dict:
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    out = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="numpy") as f:
+            for k in f.keys():  # noqa: SIM118
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def no_leftovers(parent, allowed=()) -> None:
+    assert sorted(set(os.listdir(parent)) - set(allowed)) == [], os.listdir(parent)
+
+
+@pytest.mark.parametrize("layout", sorted(PRESETS))
+def test_hf_native_hf_bit_exact(tmp_path, layout):
+    cfg = get_config(PRESETS[layout], dtype="bfloat16")
+    tensors = synthetic_tensors(cfg, layout)
+    hf_cfg = LAYOUTS[layout].config_to_hf(cfg)
+    hf_cfg["some_unknown_field"] = [1, 2]  # kept verbatim on the way back
+    write_hf(tmp_path / "hf", tensors, hf_cfg)
+    convert(str(tmp_path / "hf"), str(tmp_path / "native"), progress=False, mask_token_id=cfg.mask_token_id)
+    cfg2, w = C.load_model(str(tmp_path / "native"))
+    assert (cfg2.family, cfg2.dtype, cfg2.n_layers, cfg2.n_experts) == (layout, "bfloat16", cfg.n_layers, cfg.n_experts)
+    assert w.moe_layers.mlp.gate.shape == (cfg.n_moe_layers, cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim)
+    assert w.moe_layers.mlp.router.dtype == np.float32  # norms and router are float32 natively
+    assert os.path.exists(tmp_path / "native" / "tokenizer_config.json")
+
+    convert(str(tmp_path / "native"), str(tmp_path / "back"), progress=False, max_shard_bytes=100_000)
+    back = read_dir(tmp_path / "back")
+    assert sorted(back) == sorted(tensors)
+    for k, a in tensors.items():
+        assert back[k].dtype == a.dtype, k
+        np.testing.assert_array_equal(back[k].view(np.uint8), a.view(np.uint8), err_msg=k)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == hf_cfg
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    shards = [f for f in os.listdir(tmp_path / "back") if f.endswith(".safetensors")]
+    assert len(shards) > 1 and all(os.path.getsize(tmp_path / "back" / f) < 300_000 for f in shards)
+    assert (tmp_path / "back" / "tokenizer_config.json").exists()
+
+
+def test_native_export_import_keeps_weights(tmp_path):
+    """A model made here (no HF origin) exports in its family's layout and comes back identical."""
+    from tests.test_checkpoint import _assert_equal, random_weights
+
+    cfg = get_config("test-clover")
+    w = random_weights(cfg, 4)
+    C.save_model(str(tmp_path / "n"), cfg, w)
+    convert(str(tmp_path / "n"), str(tmp_path / "hf"), progress=False)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["model_type"] == "clover_moe" and hf["attn_output_gate"] is True
+    keys = read_dir(tmp_path / "hf")
+    assert keys["model.layers.0.self_attn.gate_proj.weight"].shape == (cfg.n_heads * cfg.head_dim, cfg.d_model)
+    assert "model.layers.1.mlp.shared_expert.down_proj.weight" in keys
+    convert(str(tmp_path / "hf"), str(tmp_path / "n2"), progress=False)
+    cfg2, w2 = C.load_model(str(tmp_path / "n2"))
+    assert cfg2 == cfg
+    _assert_equal(w, w2)
+
+
+def _llada2_public_keys(cfg) -> dict:
+    """Keys and shapes exactly as in the public LLaDA2.0 checkpoints (written out, not derived)."""
+    d, h, kv, hd, e = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts
+    f, fs, fd = cfg.expert_mlp_dim, cfg.shared_mlp_dim, cfg.dense_mlp_dim
+    keys = {"model.word_embeddings.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
+            "lm_head.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        keys.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                     p + "attention.query_key_value.weight": ((h + 2 * kv) * hd, d),
+                     p + "attention.dense.weight": (d, h * hd), p + "attention.query_layernorm.weight": (hd,),
+                     p + "attention.key_layernorm.weight": (hd,)})
+        if i == 0:
+            keys.update({p + "mlp.gate_proj.weight": (fd, d), p + "mlp.up_proj.weight": (fd, d),
+                         p + "mlp.down_proj.weight": (d, fd)})
+            continue
+        keys.update({p + "mlp.gate.weight": (e, d), p + "mlp.gate.expert_bias": (e,),
+                     p + "mlp.shared_experts.gate_proj.weight": (fs, d),
+                     p + "mlp.shared_experts.up_proj.weight": (fs, d),
+                     p + "mlp.shared_experts.down_proj.weight": (d, fs)})
+        for j in range(e):
+            keys.update({p + f"mlp.experts.{j}.gate_proj.weight": (f, d), p + f"mlp.experts.{j}.up_proj.weight": (f, d),
+                         p + f"mlp.experts.{j}.down_proj.weight": (d, f)})
+    return keys
+
+
+def _llada2_hf_config(cfg) -> dict:
+    return {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "num_hidden_layers": cfg.n_layers,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.dense_mlp_dim, "first_k_dense_replace": 1,
+            "hidden_act": "silu", "max_position_embeddings": 512, "moe_intermediate_size": cfg.expert_mlp_dim,
+            "norm_topk_prob": True, "num_experts_per_tok": cfg.n_experts_per_tok, "num_attention_heads": cfg.n_heads,
+            "num_experts": cfg.n_experts, "num_key_value_heads": cfg.n_kv_heads, "rope_theta": 600000,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_bias": False, "rms_norm_eps": 1e-06,
+            "head_dim": cfg.head_dim, "num_shared_experts": 1, "use_qkv_bias": False, "vocab_size": cfg.vocab_size,
+            "rotary_dim": cfg.head_dim // 2, "router_dtype": "fp32", "moe_router_enable_expert_bias": True,
+            "routed_scaling_factor": 2.5, "n_group": cfg.n_expert_groups, "topk_group": cfg.topk_groups,
+            "score_function": "sigmoid", "pad_token_id": 0, "partial_rotary_factor": 0.5, "eos_token_id": 1}
+
+
+def test_llada2_public_layout_converts_and_runs(tmp_path):
+    cfg = get_config("test-llada2", dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    tensors = {k: (rng.standard_normal(s, np.float32) * 0.1).astype(BF16)
+               for k, s in _llada2_public_keys(cfg).items()}
+    tensors["model.layers.1.mlp.gate.expert_bias"] = rng.standard_normal(cfg.n_experts).astype(np.float32)
+    write_hf(tmp_path / "hf", tensors, _llada2_hf_config(cfg), n_files=3)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "n"), "--no-progress",
+                 "--mask-token-id", "255"]) == 0
+    cfg2, w = C.load_model(str(tmp_path / "n"))
+    assert (cfg2.router, cfg2.n_dense_layers, cfg2.attention, cfg2.rotary_dim) == ("sigmoid", 1, "block_causal", 8)
+    # The fused q/k/v rows split as [q heads | k heads | v heads].
+    qkv = tensors["model.layers.2.attention.query_key_value.weight"].astype(np.float32)
+    q_rows = cfg.n_heads * cfg.head_dim
+    np.testing.assert_array_equal(np.asarray(w.moe_layers.attn.q[1], np.float32).reshape(cfg.d_model, -1),
+                                  qkv[:q_rows].T)
+    np.testing.assert_array_equal(np.asarray(w.moe_layers.attn.v[1], np.float32).reshape(cfg.d_model, -1),
+                                  qkv[q_rows + cfg.n_kv_heads * cfg.head_dim:].T)
+    np.testing.assert_array_equal(np.asarray(w.moe_layers.mlp.expert_bias[0]),
+                                  tensors["model.layers.1.mlp.gate.expert_bias"])
+    tokens = jax.numpy.asarray(rng.integers(0, 250, (2, 16)), jax.numpy.int32)
+    logits = model.apply(w, cfg2, tokens)
+    assert logits.shape == (2, 16, cfg.vocab_size) and bool(jax.numpy.isfinite(logits).all())
+
+
+def test_qwen3_moe_matches_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("transformers")
+    hf_cfg = tr.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.3,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(0)
+    ref = tr.Qwen3MoeForCausalLM(hf_cfg).float().eval()
+    with torch.no_grad():  # non-trivial norms so that a transposed or swapped norm would show
+        for n, p in ref.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "n"), progress=False)
+    cfg, w = C.load_model(str(tmp_path / "n"))
+    assert (cfg.family, cfg.mask_token_id, cfg.attention) == ("qwen3_moe", 127, "bidirectional")
+    ids = np.random.default_rng(1).integers(0, 127, (2, 12))
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool)  # full bidirectional
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids), attention_mask=mask).logits.numpy()
+    got = np.asarray(model.apply(w, cfg, jax.numpy.asarray(ids, jax.numpy.int32), dispatch="dense"))
+    assert np.abs(want).max() > 0.5  # a big enough init scale to make the comparison meaningful
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    cfg = get_config("test-qwen3-moe", dtype="bfloat16")
+    tensors = synthetic_tensors(cfg, "qwen3_moe")
+    hf_cfg = LAYOUTS["qwen3_moe"].config_to_hf(cfg)
+    return cfg, tensors, hf_cfg
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("missing", r"missing tensors: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"),
+    ("extra", r"unexpected tensors: model\.layers\.0\.mlp\.bogus\.weight"),
+    ("shape", r"model\.layers\.0\.self_attn\.q_proj\.weight is \(64, 63\), expected \(64, 64\)"),
+    ("dtype", r"model\.layers\.1\.self_attn\.o_proj\.weight is float16, the model is bfloat16"),
+    ("config", r"model\.embed_tokens\.weight is \(256, 64\), expected \(256, 32\)"),
+    ("truncated", r"truncated"),
+    ("layout", r"cannot tell the layout"),
+])
+def test_bad_hf_input_is_refused_and_leaves_nothing(tmp_path, hf_dir, damage, message):
+    cfg, tensors, hf_cfg = hf_dir
+    tensors = dict(tensors)
+    if damage == "missing":
+        del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    elif damage == "extra":
+        tensors["model.layers.0.mlp.bogus.weight"] = np.zeros((2, 2), BF16)
+    elif damage == "shape":
+        tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((64, 63), BF16)
+    elif damage == "dtype":
+        tensors["model.layers.1.self_attn.o_proj.weight"] = tensors["model.layers.1.self_attn.o_proj.weight"].astype(
+            np.float16)
+    elif damage == "config":
+        hf_cfg = {**hf_cfg, "hidden_size": 32}
+    elif damage == "layout":
+        hf_cfg = {**hf_cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    src = tmp_path / "src"
+    write_hf(src, tensors, hf_cfg)
+    if damage == "truncated":
+        shard = src / "model-00002-of-00002.safetensors"
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) - 1000])
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ConversionError, match=message):
+        convert(str(src), str(out / "dst"), progress=False)
+    no_leftovers(out)
+    # The command line reports the same as one line and exit code 2.
+    assert main(["convert", str(src), str(out / "dst"), "--no-progress"]) == 2
+    no_leftovers(out)
+
+
+def test_existing_destination_needs_force(tmp_path, hf_dir, capsys):
+    cfg, tensors, hf_cfg = hf_dir
+    write_hf(tmp_path / "src", tensors, hf_cfg)
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--no-progress"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "dst" / "keep.txt").read_text() == "mine"
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--no-progress", "--force"]) == 0
+    assert not (tmp_path / "dst" / "keep.txt").exists()
+    assert C.load_checkpoint_config(str(tmp_path / "dst")).family == "qwen3_moe"
+    no_leftovers(tmp_path, {"src", "dst"})
+
+
+def test_pickle_needs_allow_pickle(tmp_path, hf_dir):
+    torch = pytest.importorskip("torch")
+    cfg, tensors, hf_cfg = hf_dir
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(hf_cfg))
+    sd = {k: torch.from_numpy(v.view(np.int16)).view(torch.bfloat16) for k, v in tensors.items()}
+    torch.save(sd, src / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="--allow-pickle"):
+        convert(str(src), str(tmp_path / "dst"), progress=False)
+    assert not (tmp_path / "dst").exists()
+    convert(str(src), str(tmp_path / "dst"), progress=False, allow_pickle=True)
+    _, w = C.load_model(str(tmp_path / "dst"))
+    np.testing.assert_array_equal(np.asarray(w.embed), tensors["model.embed_tokens.weight"])
+
+
+def test_killed_conversion_leaves_no_destination(tmp_path):
+    """SIGKILL once the progress bar shows: no destination, only a temp dir (named *.tmp-*)."""
+    cfg = get_config("test-qwen3-moe", dtype="float32", n_layers=24, n_experts=32, expert_mlp_dim=128)
+    write_hf(tmp_path / "src", synthetic_tensors(cfg, "qwen3_moe", small_dtype=np.float32),
+             LAYOUTS["qwen3_moe"].config_to_hf(cfg), n_files=1)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "clover_jax.cli", "convert", str(tmp_path / "src"),
+                             str(tmp_path / "dst")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    seen = b""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        if not chunk:
+            break
+        seen += chunk
+        if b"import:" in seen and b"%|" in seen.split(b"import:")[-1]:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert b"import:" in seen, seen[-2000:]
+    assert not (tmp_path / "dst").exists()
+    assert all(".tmp-" in n for n in os.listdir(tmp_path) if n != "src")
