@@ -105,7 +105,8 @@ def _layout_of(hf: dict[str, Any], layout: str | None) -> Any:
 
 
 def _check_tensors(cfg: ModelConfig, groups: list[M.Group], src: Any) -> dict[str, str]:
-    """Key set, shapes and dtypes against the config; returns {key pattern: dtype} of the source."""
+    """Key set, shapes and dtypes against the config; returns the source dtypes by key pattern
+    (`model.layers.*.mlp.gate.weight`), plus by exact key for any tensor that differs from its pattern."""
     expected = {k: (s, g.kind) for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)}
     found = {k: v for k, v in src.tensors.items() if not IGNORED_KEYS.match(k)}
     problems = []
@@ -127,9 +128,8 @@ def _check_tensors(cfg: ModelConfig, groups: list[M.Group], src: Any) -> dict[st
             bad_dtypes.append(f"{k} is {dt}, the model is {cfg.dtype}")
         elif kind == "float32" and dt not in ("float32", "bfloat16", "float16"):
             bad_dtypes.append(f"{k} is {dt}, expected a float type")
-        pat = _pattern(k)
-        if dtypes.setdefault(pat, dt) != dt:
-            bad_dtypes.append(f"{k} is {dt} but other {pat} tensors are {dtypes[pat]}")
+        if dtypes.setdefault(_pattern(k), dt) != dt:
+            dtypes[k] = dt  # an exception to its pattern, kept so that export restores it exactly
     if bad_dtypes:
         problems.append("dtypes: " + _summary(bad_dtypes, 4))
     if problems:
@@ -218,7 +218,7 @@ def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes:
     specs = C.expected_leaves(cfg)
 
     def out_dtype(key: str, slot: M.Slot) -> str:
-        return dtypes.get(_pattern(key)) or np.dtype(specs[slot[0]].dtype).name
+        return dtypes.get(key) or dtypes.get(_pattern(key)) or np.dtype(specs[slot[0]].dtype).name
 
     plan = [IO.PlannedTensor(k, tuple(s), out_dtype(k, g.native[0]))
             for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)]

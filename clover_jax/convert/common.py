@@ -64,6 +64,8 @@ def token_id(value: Any) -> int | None:
 
 def common_from_hf(hf: dict[str, Any], layout: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+        hf = {**hf, "num_experts": hf["num_local_experts"]}  # what transformers 5 writes for Qwen3-MoE
     for native, field in COMMON_FIELDS.items():
         if field in hf and hf[field] is not None:
             out[native] = token_id(hf[field]) if native.endswith("token_id") else hf[field]

@@ -24,8 +24,9 @@ def detect(hf: dict[str, Any]) -> bool:
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
     f = K.common_from_hf(hf, NAME)
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        K.need(hf, key, NAME)
+    for key in ("n_experts", "n_experts_per_tok", "expert_mlp_dim"):
+        if key not in f:
+            K.need(hf, K.COMMON_FIELDS[key], NAME)
     K.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
     K.refuse(hf.get("decoder_sparse_step", 1) != 1, "decoder_sparse_step != 1")
     dense = list(hf.get("mlp_only_layers") or [])
@@ -48,7 +49,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out = K.common_to_hf(cfg)
     out.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=cfg.norm_topk_prob,
                decoder_sparse_step=1, mlp_only_layers=list(range(cfg.n_dense_layers)),
-               intermediate_size=cfg.dense_mlp_dim or cfg.expert_mlp_dim, use_sliding_window=False)
+               intermediate_size=cfg.dense_mlp_dim or cfg.expert_mlp_dim, use_sliding_window=False,
+               num_local_experts=cfg.n_experts)
     return out
 
 
