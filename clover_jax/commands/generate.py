@@ -85,11 +85,10 @@ def load(model: str, mesh_name: str | None) -> tuple[Any, Any, Any, Any]:
             cfg = get_config(model)
         mesh_ctx, shardings = None, None
         if mesh_name:
-            from clover_jax.layouts import load_layout, make_mesh
+            from clover_jax.layouts import mesh_from_arg
             from clover_jax.sharding import weight_shardings
 
-            layout = load_layout(mesh_name)
-            mesh = make_mesh(layout)
+            layout, mesh = mesh_from_arg(mesh_name)
             shardings = weight_shardings(cfg, mesh, layout.rules)
             mesh_ctx = (mesh, layout.rules)
         if is_dir:
@@ -253,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
     from clover_jax.sharding import use_mesh
 
     ctx = use_mesh(*mesh_ctx) if mesh_ctx else contextlib.nullcontext()
+    if mesh_ctx:
+        from clover_jax.expert_parallel import choose_dispatch
+
+        args.dispatch = choose_dispatch(mesh_ctx[0])
     with ctx:
         if args.input:
             return _run_batch(args, cfg, weights, tok, sc, encoded)
@@ -263,7 +266,7 @@ def _run_one(args: argparse.Namespace, cfg: Any, weights: Any, tok: Any, sc: Any
     from clover_jax.sampler import generate
 
     show = make_show(tok, cfg, text) if args.show else None
-    res = generate(weights, cfg, [ids], sc, progress=show)
+    res = generate(weights, cfg, [ids], sc, progress=show, dispatch=getattr(args, "dispatch", None))
     print(tok.decode(res.tokens[0]))
     print(res.stats.line(), file=sys.stderr)
     return 0
@@ -281,7 +284,8 @@ def _run_batch(args: argparse.Namespace, cfg: Any, weights: Any, tok: Any, sc: A
         for start in range(0, len(encoded), args.batch_size):
             chunk = encoded[start:start + args.batch_size]
             show = make_show(tok, cfg, chunk[0][1]) if args.show else None
-            res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket)
+            res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket,
+                           dispatch=getattr(args, "dispatch", None))
             st = res.stats
             rows = [{"id": rid, "prompt": text, "text": tok.decode(out), "tokens": len(out), "finished": fin,
                      "stats": {"nfe": st.nfe, "tokens_per_pass": round(st.tokens_per_pass, 4),
