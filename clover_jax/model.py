@@ -16,7 +16,7 @@ from flax import struct
 
 from clover_jax import layers as L
 from clover_jax.config import ModelConfig
-from clover_jax.moe import MoEStats, moe_block
+from clover_jax.moe import TAKES_LAYER_STACK, MoEStats, moe_block
 from clover_jax.params import LayerWeights, Weights
 from clover_jax.sharding import constrain
 
@@ -55,7 +55,7 @@ class ForwardOut(NamedTuple):
 
 def _layer(
     x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array] | None,
-    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None,
+    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, layer: Array | None = None,
 ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
     h = L.rms_norm(x, w.attn_norm, cfg.norm_eps)
     q, k, v = L.project_qkv(h, w.attn, positions, cfg)
@@ -68,7 +68,7 @@ def _layer(
     x = constrain(x, ("batch", "seq", "embed"))
     h = L.rms_norm(x, w.mlp_norm, cfg.norm_eps)
     if is_moe:
-        y, st = moe_block(h, w.mlp, cfg, dispatch)
+        y, st = moe_block(h, w.mlp, cfg, dispatch, layer)
     else:
         y, st = L.swiglu(h, w.mlp), None
     return constrain(x + y, ("batch", "seq", "embed")), kv, st
@@ -78,15 +78,28 @@ def _run_stack(
     x: Array, stack: LayerWeights, k: Array | None, v: Array | None, positions: Array, mask: Array,
     cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, remat: bool,
 ) -> tuple[Array, Array | None, Array | None, MoEStats | None]:
+    # Scanning over the stacked expert weights copies each layer's experts out of the stack (on CPU
+    # that copy costs as much as the expert matmuls), so dispatches that can index [layer, expert]
+    # themselves get the stack and a layer index. Not under remat: there the scan's per-layer
+    # slices keep weight gradients per layer.
+    experts = None
+    if is_moe and not remat and (dispatch or cfg.moe_dispatch) in TAKES_LAYER_STACK:
+        experts = stack.mlp
+        stack = stack.replace(mlp=stack.mlp.replace(gate=None, up=None, down=None))
+    n_layers = stack.attn_norm.shape[0]
+
     def body(x: Array, per_layer: tuple) -> tuple[Array, tuple]:
-        w, lk, lv = per_layer
+        w, lk, lv, i = per_layer
         kv = None if lk is None else (lk, lv)
-        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, is_moe, dispatch)
+        if experts is not None:
+            w = w.replace(mlp=w.mlp.replace(gate=experts.gate, up=experts.up, down=experts.down))
+        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, is_moe, dispatch,
+                           None if experts is None else i)
         return x, (None if kv is None else kv[0], None if kv is None else kv[1], st)
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    x, (k, v, st) = jax.lax.scan(body, x, (stack, k, v))
+    x, (k, v, st) = jax.lax.scan(body, x, (stack, k, v, jnp.arange(n_layers)))
     return x, k, v, st
 
 

@@ -16,6 +16,7 @@ Expert-parallel strategies (`ep_*`, under `shard_map`) register themselves from 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -151,42 +152,176 @@ def tile_rows(n_copies: int, n_experts: int) -> int:
     return m
 
 
-@register("tiled")
-def dispatch_tiled(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tuple[Array, Array]:
-    s = sort_by_expert(x, r, cfg.n_experts)
-    n_rows, d = s.rows.shape
-    m = tile_rows(n_rows, cfg.n_experts)
-    # m spare rows so the last tile of the last group never reads or writes out of bounds.
-    rows = jnp.concatenate([s.rows, jnp.zeros((m, d), s.rows.dtype)])
+MIN_TILE = 8  # smallest tile height: a group's last < 8 rows are padded to 8
 
-    def expert_body(e: int, out: Array) -> Array:
-        wg, wu, wd = w.gate[e], w.up[e], w.down[e]
-        start, size = s.group_starts[e], s.group_sizes[e]
 
-        def tile_body(t: Array, out: Array) -> Array:
-            row = start + t * m
-            tile = jax.lax.dynamic_slice_in_dim(rows, row, m)
+def tile_heights(n_copies: int, n_experts: int) -> tuple[int, ...]:
+    """Tile heights for `tiled`, largest first: (m, m/2, ..., 8) with m = `tile_rows`.
+
+    A group of s rows takes s // m tiles of m rows, then one tile of each smaller height in the
+    binary expansion of the remainder; only its last < 8 rows are padded. One fixed height would
+    waste about m/2 rows per expert, which at 24 rows per expert is more work than the real rows.
+    """
+    m = tile_rows(n_copies, n_experts)
+    heights = [m]
+    while heights[-1] > MIN_TILE:
+        heights.append(heights[-1] // 2)
+    return tuple(heights)
+
+
+def _walk_group(start: Array, size: Array, heights: tuple[int, ...], tile_fn: Callable, carry: object) -> object:
+    """Call tile_fn(row, height, carry) over tiles covering rows [start, start + size) in order.
+
+    The last tile may run past the group into the next group's rows (which are written after this
+    one) or into the padding rows that follow the last group.
+    """
+    big = heights[0]
+    carry = jax.lax.fori_loop(0, size // big, lambda t, c: tile_fn(start + t * big, big, c), carry)
+    row, rest = start + (size // big) * big, size % big
+    for h in heights[1:]:
+        take = rest >= h
+        carry = jax.lax.cond(take, lambda c, row=row, h=h: tile_fn(row, h, c), lambda c: c, carry)
+        row, rest = row + jnp.where(take, h, 0), rest - jnp.where(take, h, 0)
+    last = heights[-1]
+    return jax.lax.cond(rest > 0, lambda c: tile_fn(row, last, c), lambda c: c, carry)
+
+
+def _expert_weights(w: Array, layer: Array, e: Array) -> Array:
+    """w[layer, e] straight from the layer-stacked tensor: one expert's matrix, nothing else copied."""
+    return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False), e, 0,
+                                        keepdims=False)
+
+
+def _grouped_swiglu_fwd_loop(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array,
+                             starts: Array, heights: tuple[int, ...]) -> Array:
+    def expert_body(e: Array, out: Array) -> Array:
+        wg, wu, wd = (_expert_weights(a, layer, e) for a in (gate, up, down))
+
+        def tile_fn(row: Array, h: int, out: Array) -> Array:
+            tile = jax.lax.dynamic_slice_in_dim(rows, row, h)
             y = (jax.nn.silu(tile @ wg) * (tile @ wu)) @ wd
-            # Rows past this group belong to the next expert, which writes them after us.
             return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), row, 0)
 
-        return jax.lax.fori_loop(0, (size + m - 1) // m, tile_body, out)
+        return _walk_group(starts[e], sizes[e], heights, tile_fn, out)
 
-    y = jax.lax.fori_loop(0, cfg.n_experts, expert_body, jnp.zeros_like(rows))
-    return combine_sorted(y[:n_rows], s, r, x.dtype), _no_drops()
+    return jax.lax.fori_loop(0, gate.shape[1], expert_body, jnp.zeros_like(rows))
 
 
-def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = None) -> tuple[Array, MoEStats]:
-    """x [B, T, D] -> [B, T, D]: routed experts plus the (ungated) shared expert."""
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _grouped_swiglu(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array, starts: Array,
+                    heights: tuple[int, ...]) -> Array:
+    return _grouped_swiglu_fwd_loop(rows, gate, up, down, layer, sizes, starts, heights)
+
+
+def _grouped_swiglu_fwd(rows, gate, up, down, layer, sizes, starts, heights):
+    y = _grouped_swiglu_fwd_loop(rows, gate, up, down, layer, sizes, starts, heights)
+    return y, (rows, gate, up, down, layer, sizes, starts)
+
+
+def _grouped_swiglu_bwd(heights, res, dy):
+    """The same tile walk: per tile dX = dH W^T, and per expert dW_e = sum over tiles of X^T dH (rows
+    past the group masked out), recomputing the tile's hidden activations instead of storing them."""
+    rows, gate, up, down, layer, sizes, starts = res
+    f32 = jnp.float32
+
+    def expert_body(e: Array, carry: tuple) -> tuple:
+        dx, dgate, dup, ddown = carry
+        wg, wu, wd = (_expert_weights(a, layer, e) for a in (gate, up, down))
+        end = starts[e] + sizes[e]
+
+        def tile_fn(row: Array, h: int, c: tuple) -> tuple:
+            dx, dwg, dwu, dwd = c
+            xt = jax.lax.dynamic_slice_in_dim(rows, row, h)
+            inside = (row + jnp.arange(h) < end)[:, None]
+            dyt = jnp.where(inside, jax.lax.dynamic_slice_in_dim(dy, row, h), 0).astype(wd.dtype)
+            g = (xt @ wg).astype(f32)
+            u = (xt @ wu).astype(f32)
+            sg = jax.nn.sigmoid(g)
+            act = g * sg
+            hid = (act * u).astype(wd.dtype)
+            dhid = (dyt @ wd.T).astype(f32)
+            du = dhid * act
+            dg = dhid * u * sg * (1 + g * (1 - sg))
+            du, dg = du.astype(wu.dtype), dg.astype(wg.dtype)
+            dwd = dwd + jnp.dot(hid.T, dyt, preferred_element_type=f32)
+            dwg = dwg + jnp.dot(xt.T, dg, preferred_element_type=f32)
+            dwu = dwu + jnp.dot(xt.T, du, preferred_element_type=f32)
+            dxt = dg @ wg.T + du @ wu.T
+            return jax.lax.dynamic_update_slice_in_dim(dx, dxt.astype(dx.dtype), row, 0), dwg, dwu, dwd
+
+        zeros = lambda a: jnp.zeros(a.shape, f32)
+        dx, dwg, dwu, dwd = _walk_group(starts[e], sizes[e], heights, tile_fn, (dx, zeros(wg), zeros(wu), zeros(wd)))
+        put = lambda acc, d: jax.lax.dynamic_update_slice(
+            acc, d.astype(acc.dtype)[None, None], (layer, e, 0, 0))
+        return dx, put(dgate, dwg), put(dup, dwu), put(ddown, dwd)
+
+    init = (jnp.zeros_like(rows), jnp.zeros_like(gate), jnp.zeros_like(up), jnp.zeros_like(down))
+    dx, dgate, dup, ddown = jax.lax.fori_loop(0, gate.shape[1], expert_body, init)
+    return dx, dgate, dup, ddown, None, None, None
+
+
+_grouped_swiglu.defvjp(_grouped_swiglu_fwd, _grouped_swiglu_bwd)
+
+
+def grouped_swiglu(rows: Array, sizes: Array, gate: Array, up: Array, down: Array, layer: Array | None = None,
+                   heights: tuple[int, ...] | None = None) -> Array:
+    """SwiGLU of rows sorted by expert (group sizes `sizes`), each contiguous group through its expert.
+
+    gate/up [E, D, F], down [E, F, D]; or all stacked over layers [L, E, ...] with `layer` choosing one
+    (then no layer's weights are copied out of the stack). Dropless; differentiable (custom VJP).
+    """
+    n_rows, d = rows.shape
+    if layer is None:
+        gate, up, down, layer = gate[None], up[None], down[None], 0
+    heights = heights or tile_heights(n_rows, gate.shape[1])
+    starts = jnp.cumsum(sizes) - sizes
+    # heights[0] spare rows: the last tile of the last group never reads or writes out of bounds.
+    padded = jnp.concatenate([rows, jnp.zeros((heights[0], d), rows.dtype)])
+    y = _grouped_swiglu(padded, gate, up, down, jnp.asarray(layer, jnp.int32), sizes.astype(jnp.int32),
+                        starts.astype(jnp.int32), heights)
+    return y[:n_rows]
+
+
+def combine_gather(y_sorted: Array, s: SortedCopies, r: Routing, dtype: jnp.dtype) -> Array:
+    """`combine_sorted` through the inverse permutation: a gather, no [N*k, D] zero-scatter."""
+    n, k = r.experts.shape
+    inverse = jnp.zeros_like(s.order).at[s.order].set(jnp.arange(n * k, dtype=s.order.dtype))
+    y = y_sorted[inverse].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), r.weights).astype(dtype)
+
+
+@register("tiled")
+def dispatch_tiled(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, layer: Array | None = None
+                   ) -> tuple[Array, Array]:
+    s = sort_by_expert(x, r, cfg.n_experts)
+    y = grouped_swiglu(s.rows, s.group_sizes, w.gate, w.up, w.down, layer)
+    return combine_gather(y, s, r, x.dtype), _no_drops()
+
+
+# Strategies that take expert weights still stacked over layers plus a `layer` index (see moe_block).
+TAKES_LAYER_STACK: set[str] = {"tiled"}
+
+
+def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = None,
+              layer: Array | None = None) -> tuple[Array, MoEStats]:
+    """x [B, T, D] -> [B, T, D]: routed experts plus the (ungated) shared expert.
+
+    With `layer`, w.gate/up/down are still stacked over layers ([L, E, ...]) and `layer` picks one:
+    strategies in TAKES_LAYER_STACK slice single experts from the stack, the others get the layer.
+    """
     name = dispatch or cfg.moe_dispatch
-    if name not in DISPATCH and name.startswith("ep_"):
-        import clover_jax.expert_parallel  # noqa: F401  (registers the ep_* strategies)
     if name not in DISPATCH:
         raise ValueError(f"unknown MoE dispatch {name!r}; known: {', '.join(sorted(DISPATCH))}")
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     r = route(flat, w, cfg)
-    y, dropped = DISPATCH[name](flat, r, w, cfg)
+    if layer is None:
+        y, dropped = DISPATCH[name](flat, r, w, cfg)
+    elif name in TAKES_LAYER_STACK:
+        y, dropped = DISPATCH[name](flat, r, w, cfg, layer=layer)
+    else:
+        w = w.replace(gate=w.gate[layer], up=w.up[layer], down=w.down[layer])
+        y, dropped = DISPATCH[name](flat, r, w, cfg)
     if w.shared is not None:
         y = y + swiglu(flat, w.shared)
     return y.reshape(b, t, d), stats(r, cfg.n_experts, dropped)

@@ -1,0 +1,187 @@
+"""Milliseconds per forward pass for each MoE dispatch, next to transformers' Qwen3-MoE on the same weights.
+
+    python benchmarks/forward.py                  # DESIGN.md shape: 8 layers, d 512, 32 experts top-4, B = 1 and 8
+    python benchmarks/forward.py --batch 1 --dispatch tiled --no-torch
+
+Every figure is the median wall time of `--runs` warm calls of one jitted forward pass (compile excluded);
+transformers runs under torch.inference_mode with as many threads as cores. Prints figures, asserts nothing
+about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
+    p.add_argument("--seq", type=int, default=192, help="tokens per row")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--expert-width", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dispatch", nargs="+", default=["dense", "ragged", "tiled"], help="JAX dispatches to time")
+    p.add_argument("--runs", type=int, default=5, help="timed warm runs per figure (median)")
+    p.add_argument("--no-torch", action="store_true", help="skip transformers")
+    p.add_argument("--check", action="store_true", help="also compare logits of each dispatch with transformers")
+    args = p.parse_args(argv)
+    for name in ("seq", "layers", "d_model", "heads", "kv_heads", "head_dim", "experts", "top_k", "expert_width",
+                 "vocab", "runs"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if any(b <= 0 for b in args.batch):
+        p.error("--batch sizes must be positive")
+    return args
+
+
+def make_config(args: argparse.Namespace):
+    from clover_jax.config import ModelConfig
+
+    return ModelConfig(
+        name="bench-qwen3-moe", family="qwen3_moe", vocab_size=args.vocab, d_model=args.d_model,
+        n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+        n_experts=args.experts, n_experts_per_tok=args.top_k, expert_mlp_dim=args.expert_width,
+        router="softmax", norm_topk_prob=True, attention="bidirectional", qk_norm=True, dtype="float32",
+        max_seq_len=max(4096, args.seq), eos_token_id=1, pad_token_id=0,
+    )
+
+
+def hf_state_dict(weights, cfg) -> dict[str, np.ndarray]:
+    """Our Weights -> transformers Qwen3MoeForCausalLM state dict (experts fused as in transformers 5)."""
+    t = lambda a: np.asarray(a, np.float32)
+    d, hd = cfg.d_model, cfg.head_dim
+    sd = {"model.embed_tokens.weight": t(weights.embed), "model.norm.weight": t(weights.final_norm),
+          "lm_head.weight": t(weights.lm_head).T}
+    L = weights.moe_layers
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        a = L.attn
+        sd[p + "input_layernorm.weight"] = t(L.attn_norm[i])
+        sd[p + "post_attention_layernorm.weight"] = t(L.mlp_norm[i])
+        sd[p + "self_attn.q_proj.weight"] = t(a.q[i]).reshape(d, -1).T
+        sd[p + "self_attn.k_proj.weight"] = t(a.k[i]).reshape(d, -1).T
+        sd[p + "self_attn.v_proj.weight"] = t(a.v[i]).reshape(d, -1).T
+        sd[p + "self_attn.o_proj.weight"] = t(a.o[i]).reshape(cfg.n_heads * hd, d).T
+        sd[p + "self_attn.q_norm.weight"] = t(a.q_norm[i])
+        sd[p + "self_attn.k_norm.weight"] = t(a.k_norm[i])
+        m = L.mlp
+        sd[p + "mlp.gate.weight"] = t(m.router[i]).T
+        sd[p + "mlp.experts.gate_up_proj"] = np.concatenate([t(m.gate[i]), t(m.up[i])], -1).transpose(0, 2, 1)
+        sd[p + "mlp.experts.down_proj"] = t(m.down[i]).transpose(0, 2, 1)
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+def hf_model(weights, cfg):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+        moe_intermediate_size=cfg.expert_mlp_dim, intermediate_size=cfg.expert_mlp_dim,
+        norm_topk_prob=cfg.norm_topk_prob, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    model = Qwen3MoeForCausalLM(hf_cfg).eval()
+    sd = {k: torch.from_numpy(v) for k, v in hf_state_dict(weights, cfg).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def median_ms(fn, runs: int) -> float:
+    fn()  # warm (compile / allocate)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax import model as M
+    from clover_jax.moe import DISPATCH
+    from clover_jax.params import init
+
+    unknown = [d for d in args.dispatch if d not in DISPATCH]
+    if unknown:
+        print(f"unknown dispatch {unknown}; known: {sorted(DISPATCH)}", file=sys.stderr)
+        return 2
+    cfg = make_config(args)
+    weights = init(cfg, jax.random.key(0))
+    cores = os.cpu_count() or 1
+    print(f"{cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads}x{cfg.head_dim} heads ({cfg.n_kv_heads} kv), "
+          f"{cfg.n_experts} experts top-{cfg.n_experts_per_tok} width {cfg.expert_mlp_dim}, vocab {cfg.vocab_size}, "
+          f"fp32, {args.seq} tokens/row; jax {jax.__version__} on {jax.default_backend()}, {cores} cores; "
+          f"median of {args.runs} warm runs", flush=True)
+
+    torch_model = None
+    if not args.no_torch:
+        try:
+            import torch
+
+            torch.set_num_threads(cores)
+            torch_model = hf_model(weights, cfg)
+            print(f"transformers experts implementation: {torch_model.config._experts_implementation}, "
+                  f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+        except ImportError as e:
+            print(f"transformers skipped: {e}", flush=True)
+
+    rows = []
+    for b in args.batch:
+        tokens = jax.random.randint(jax.random.key(b), (b, args.seq), 0, cfg.vocab_size)
+        row = {"B": b}
+        ref = None
+        if torch_model is not None:
+            import torch
+
+            ids = torch.from_numpy(np.asarray(tokens).astype(np.int64))
+            mask4 = torch.ones((b, 1, args.seq, args.seq), dtype=torch.bool)  # bidirectional
+
+            def run_torch(ids=ids, mask4=mask4):
+                with torch.inference_mode():
+                    return torch_model(input_ids=ids, attention_mask=mask4).logits
+
+            row["transformers"] = median_ms(run_torch, args.runs)
+            ref = run_torch().numpy() if args.check else None
+            print(f"B={b} transformers {row['transformers']:.1f} ms", flush=True)
+        for name in args.dispatch:
+            fwd = jax.jit(lambda w, t, name=name: M.apply(w, cfg, t, dispatch=name))
+            row[name] = median_ms(lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready(), args.runs)
+            extra = ""
+            if ref is not None:
+                err = float(jnp.max(jnp.abs(fwd(weights, tokens) - ref)))
+                extra = f" (max |logit diff| vs transformers {err:.2e})"
+            print(f"B={b} {name} {row[name]:.1f} ms{extra}", flush=True)
+        rows.append(row)
+
+    cols = (["transformers"] if torch_model is not None else []) + list(args.dispatch)
+    print("\n| B | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for row in rows:
+        print(f"| {row['B']} | " + " | ".join(f"{row[c]:.0f}" for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
