@@ -1,0 +1,50 @@
+"""`clover plan`: does a config fit a mesh layout, and what does one denoising pass cost?"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="per-chip memory and pass cost of a config on a mesh layout (TPU: AOT-compiled, no TPU needed)",
+        description="TPU layouts are AOT-compiled for the slice's topology with libtpu (works on a CPU-only host); "
+                    "GPU/CPU layouts are planned by arithmetic.")
+    p.add_argument("--config", default="clover-35b-a3b", help="preset name or path to config.json")
+    p.add_argument("--mesh", required=True, help="mesh layout: a name from sharding/ (e.g. tpu-v5e-8) or a .toml path")
+    p.add_argument("--batch", type=int, default=None, help="sequences per pass (default: the data-parallel size)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="canvas / KV-cache length in tokens (default: 4096, or the config's max_seq_len if smaller)")
+    p.add_argument("--block", type=int, default=None, help="block length (default: the config's block_size)")
+    p.add_argument("--dispatch", default="ep_gather",
+                   help="MoE dispatch to compile (ep_gather, ep_a2a, ep_ragged_a2a, ragged, ...; default ep_gather)")
+    p.add_argument("--chip", default=None, help="chip for the roofline if the layout names none (v5e, v5p, v6e, "
+                                                "h100, h200)")
+    p.add_argument("--dtype", default=None, help="override the config's dtype (e.g. bfloat16)")
+    p.add_argument("--no-compile", action="store_true", help="TPU layouts: arithmetic only, skip the AOT compile")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover_jax.cli import UserError
+    from clover_jax.config import ConfigError, load_config
+    from clover_jax.layouts import load_layout
+    from clover_jax.plan import PlanError, format_plan, make_plan
+    from clover_jax.sharding import ShardingError
+
+    try:
+        cfg = load_config(args.config)
+        if args.dtype:
+            cfg = cfg.replace(dtype=args.dtype)
+        layout = load_layout(args.mesh)
+        seq_len = min(4096, cfg.max_seq_len) if args.seq_len is None else args.seq_len
+        if seq_len <= 0 or (args.batch is not None and args.batch <= 0):
+            raise PlanError("--seq-len and --batch must be positive")
+        plan = make_plan(cfg, layout, batch=args.batch, seq_len=seq_len, block=args.block,
+                         dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip,
+                         progress=lambda s: print(f"[plan] {s} ...", file=sys.stderr, flush=True))
+    except (ConfigError, ShardingError, PlanError) as e:
+        raise UserError(str(e)) from e
+    print(format_plan(plan))
+    return 0
