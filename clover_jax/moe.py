@@ -310,6 +310,8 @@ def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = 
     strategies in TAKES_LAYER_STACK slice single experts from the stack, the others get the layer.
     """
     name = dispatch or cfg.moe_dispatch
+    if name not in DISPATCH and name.startswith("ep_"):
+        import clover_jax.expert_parallel  # noqa: F401  (registers the ep_* strategies)
     if name not in DISPATCH:
         raise ValueError(f"unknown MoE dispatch {name!r}; known: {', '.join(sorted(DISPATCH))}")
     b, t, d = x.shape
