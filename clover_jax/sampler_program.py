@@ -231,32 +231,33 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     def block_masked(cv: Array, blk_idx: Array) -> Array:
         return _dslice(cv, p + blk_idx * bl, bl) == mask_id
 
-    def first_step(st: _State) -> _State:
-        lo = p + st.block * bl
+    def first_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
         if bidir:  # refresh the whole cache from the current canvas, score block j from the same pass
-            logits, cache = call(st.canvas, st.cache, 0, t, lo)
-        else:  # re-encode block j-1 (now final) into the cache and score block j in one pass
-            logits, cache = call(st.canvas, st.cache, lo - bl, 2 * bl, bl)
-        return commit(st._replace(cache=cache), logits)
+            return call(cv, cache, 0, t, lo)
+        # block-causal: re-encode block j-1 (now final) into the cache and score block j in one pass
+        return call(cv, cache, lo - bl, 2 * bl, bl)
 
-    def later_step(st: _State) -> _State:
+    def later_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
+        if bidir and mode == "prefix":
+            return call(cv, cache, lo, g, 0)  # [block j .. end], fixed width G
+        return call(cv, cache, lo, bl, 0)
+
+    def step(st: _State) -> _State:
         lo = p + st.block * bl
         if mode == "none":
-            logits, cache = call(st.canvas, None, 0, t, lo)
-        elif bidir and mode == "prefix":
-            logits, cache = call(st.canvas, st.cache, lo, g, 0)
-        else:
-            logits, cache = call(st.canvas, st.cache, lo, bl, 0)
-        return commit(st._replace(cache=cache if mode != "none" else st.cache), logits)
+            logits, _ = call(st.canvas, None, 0, t, lo)
+            return commit(st, logits)
+        logits, cache = jax.lax.cond(st.step == 0, first_forward, later_forward, st.canvas, st.cache, lo)
+        return commit(st._replace(cache=cache), logits)
 
     def inner_cond(st: _State) -> Array:
         return (st.step < spb) & jnp.any(block_masked(st.canvas, st.block))
 
     def block_body(st: _State) -> _State:
+        # Every unfinished row has masks in block j when it starts, so step 0 (which, with a cache,
+        # also writes block j-1's final K/V) always runs.
         st = st._replace(step=jnp.int32(0), n_sched=jnp.sum(block_masked(st.canvas, st.block), axis=1))
-        if mode != "none":
-            st = first_step(st)
-        st = jax.lax.while_loop(inner_cond, later_step, st)
+        st = jax.lax.while_loop(inner_cond, step, st)
         return st._replace(block=st.block + 1)
 
     def outer_cond(st: _State) -> Array:

@@ -112,6 +112,6 @@ def test_entropy_bound_prefix():
         want_n = max(int(ok.sum()), 1)
         _, n = entropy_bound_count(jnp.asarray([ent]), masked, jnp.float32(bound))
         assert int(n[0]) == want_n, bound
-        got = np.asarray(select_commits(_scores(np.zeros(6), rank=-ent, ent=ent), masked, jnp.array([1]), jnp.float32(0.0),
-                                        jnp.float32(bound)))[0]
+        got = np.asarray(select_commits(_scores(np.zeros(6), rank=-ent, ent=ent), masked, jnp.array([1]),
+                                        jnp.float32(0.0), jnp.float32(bound)))[0]
         assert got.sum() == want_n and set(np.flatnonzero(got)) == set(np.argsort(ent)[:want_n])
