@@ -237,15 +237,17 @@ def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, P.Weights
 
 @dataclass(frozen=True)
 class LazyLeaf:
-    """An array that does not exist yet: `read(i)` returns slice i of the leading axis (shape[1:]).
+    """An array that does not exist yet, produced in blocks along one axis: `read(j)` returns block j,
+    i.e. `array[..., j*block:(j+1)*block, ...]` on `axis` (the last block may be shorter).
 
-    With `sliced=False` the array is produced whole by `read(0)` (small, unstacked weights).
+    Stacked layer weights use axis 0, block 1: one layer at a time. Each block is one storage chunk.
     """
 
     shape: tuple[int, ...]
     dtype: Any
     read: Callable[[int], np.ndarray]
-    sliced: bool = True
+    axis: int = 0
+    block: int = 1
 
     @property
     def size(self) -> int:
@@ -255,11 +257,30 @@ class LazyLeaf:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.shape[self.axis] // self.block) if self.shape else 1
+
+    def block_index(self, j: int) -> tuple[slice, ...]:
+        idx = [slice(None)] * len(self.shape)
+        if self.shape:
+            idx[self.axis] = slice(j * self.block, min((j + 1) * self.block, self.shape[self.axis]))
+        return tuple(idx)
+
+    def block_shape(self, j: int) -> tuple[int, ...]:
+        return tuple(len(range(*s.indices(n))) for s, n in zip(self.block_index(j), self.shape, strict=True))
+
+
+def whole(a: np.ndarray) -> LazyLeaf:
+    """A LazyLeaf holding an array that already exists (one block)."""
+    a = np.asarray(a)
+    return LazyLeaf(a.shape, a.dtype, lambda j: a, axis=0, block=max(a.shape[:1] or (1,)))
+
 
 def _lazy_handler() -> Any:
-    """An Orbax type handler that writes a LazyLeaf slice by slice into the checkpoint's tensorstore.
+    """An Orbax type handler that writes a LazyLeaf block by block into the checkpoint's tensorstore.
 
-    Each slice is one storage chunk, so a restore into any sharding reads only what each device needs.
+    Each block is one storage chunk, so a restore into any sharding reads only what each device needs.
     The stored array is an ordinary one: `StandardCheckpointer.restore` reads it like any other.
     """
     import tensorstore as ts
@@ -274,18 +295,15 @@ def _lazy_handler() -> Any:
         async def _background_serialize(self, values: Any, infos: Any, args: Any = None) -> None:
             for value, info, arg in zip(values, infos, args, strict=True):
                 await info.await_path_creation()
-                local = (1, *value.shape[1:]) if value.sliced else value.shape
                 spec = ts_utils.build_array_write_spec(
-                    info=info, arg=arg, global_shape=value.shape, local_shape=local, dtype=np.dtype(value.dtype),
-                    use_ocdbt=info.is_ocdbt_checkpoint,
+                    info=info, arg=arg, global_shape=value.shape, local_shape=value.block_shape(0),
+                    dtype=np.dtype(value.dtype), use_ocdbt=info.is_ocdbt_checkpoint,
                     process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
                     metadata_key=self._metadata_key).json
                 t = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
-                if not value.sliced:
-                    await t.write(_checked(value, value.read(0), value.shape))
-                    continue
-                for i in range(value.shape[0]):  # one slice in memory at a time
-                    await t[i:i + 1].write(_checked(value, value.read(i), value.shape[1:])[None])
+                for j in range(value.n_blocks):  # one block in memory at a time
+                    await t[value.block_index(j)].write(_checked(value, value.read(j), value.block_shape(j)),
+                                                        can_reference_source_data_indefinitely=True)
 
     return LazyLeafHandler()
 
@@ -301,7 +319,7 @@ _HANDLER_REGISTERED = False
 
 def save_streaming(path: str, cfg: ModelConfig, leaves: Mapping[str, LazyLeaf], tokenizer_dir: str | None = None,
                    extra_files: Mapping[str, str] | None = None, force: bool = False) -> str:
-    """Like save_model, but each weight is a LazyLeaf produced one slice at a time (conversion)."""
+    """Like save_model, but each weight is a LazyLeaf produced one block at a time (conversion)."""
     global _HANDLER_REGISTERED
     import orbax.checkpoint as ocp
     from orbax.checkpoint import type_handlers as th
@@ -346,6 +364,7 @@ class WeightReader:
             self._open[name] = ts.open({"driver": self._driver, "kvstore": kv}, open=True).result()
         return self._open[name]
 
-    def read(self, name: str, index: int | None = None) -> np.ndarray:
+    def read(self, name: str, index: Any = None) -> np.ndarray:
+        """The whole array, or `array[index]` (an int or a tuple of slices) read from disk alone."""
         t = self._store(name)
         return np.asarray((t if index is None else t[index]).read().result())

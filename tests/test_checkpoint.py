@@ -121,8 +121,9 @@ def test_streaming_save_and_slice_reader(tmp_path, devices):
 
     def lazy(name, a):
         stacked = "layers." in name
-        return C.LazyLeaf(a.shape, a.dtype, (lambda i: (reads.append((name, i)), a[i])[1]) if stacked
-                          else (lambda i: a), sliced=stacked)
+        if not stacked:
+            return C.LazyLeaf(a.shape, a.dtype, lambda j: a[j * 100:(j + 1) * 100], axis=0, block=100)
+        return C.LazyLeaf(a.shape, a.dtype, lambda i: (reads.append((name, i)), a[i:i + 1])[1])
 
     C.save_streaming(str(tmp_path / "s"), cfg, {n: lazy(n, a) for n, a in flat.items()})
     # Stacked weights were produced one layer at a time.

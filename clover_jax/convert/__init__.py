@@ -18,7 +18,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -138,6 +138,40 @@ def _check_tensors(cfg: ModelConfig, groups: list[M.Group], src: Any) -> dict[st
     return dtypes
 
 
+class _Lazy(Sequence):
+    """The tensors of one group, each read from disk when indexed (and not kept)."""
+
+    def __init__(self, source: Any, keys: tuple[str, ...]) -> None:
+        self.source, self.keys = source, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.source.get(self.keys[i])
+
+
+ROW_BLOCK_BYTES = 64 * 1024**2
+
+
+def _rows_per_block(shape: tuple[int, ...], dtype: Any) -> int:
+    row = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+    return max(1, min(shape[0], ROW_BLOCK_BYTES // max(row, 1)))
+
+
+def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> C.LazyLeaf:
+    """embed [V, D] (HF rows = native rows) or lm_head (HF [V, D] rows = native [D, V] columns)."""
+    hf_shape = source.tensors[key].shape
+    rows = _rows_per_block(hf_shape, spec.dtype)
+
+    def read(j: int) -> np.ndarray:
+        a = source.get_rows(key, j * rows, min(hf_shape[0], (j + 1) * rows)).astype(spec.dtype, copy=False)
+        bar.update(a.nbytes)
+        return np.ascontiguousarray(a.T) if transpose else a
+
+    return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, axis=1 if transpose else 0, block=rows)
+
+
 def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: int | None = None,
                  allow_pickle: bool = False, force: bool = False, progress: bool = True) -> str:
     hf = _read_hf_config(src)
@@ -170,19 +204,21 @@ def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: i
 
         bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()), "import", progress)
 
-        def reader(name: str, spec: Any) -> Callable[[int], np.ndarray]:
+        def lazy(name: str, spec: Any) -> C.LazyLeaf:
             stacked = "layers." in name
+            if name in ("embed", "lm_head"):  # the largest tensors: in row blocks, never whole
+                return _rows_leaf(source, slot_of[(name, None)][0].hf[0], spec, transpose=name == "lm_head", bar=bar)
 
             def read(i: int) -> np.ndarray:
                 g, pos = slot_of[(name, i if stacked else None)]
-                out = np.asarray(g.to_native([source.get(k) for k in g.hf])[pos]).astype(spec.dtype, copy=False)
+                out = np.asarray(g.to_native(_Lazy(source, g.hf))[pos]).astype(spec.dtype, copy=False)
                 bar.update(out.nbytes)
-                return out
+                return out[None] if stacked else out
 
-            return read
+            return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, axis=0,
+                              block=1 if stacked else max(spec.shape[:1] or (1,)))
 
-        leaves = {n: C.LazyLeaf(s.shape, np.dtype(s.dtype), reader(n, s), sliced="layers." in n)
-                  for n, s in specs.items()}
+        leaves = {n: lazy(n, s) for n, s in specs.items()}
         record = {"layout": mod.NAME, "fused_experts": fused, "dtypes": dtypes, "config": hf}
         try:
             out = C.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
@@ -231,6 +267,10 @@ def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes:
             writer = IO.ShardedWriter(tmp, plan, max_shard_bytes)
             i = 0
             for g in groups:
+                if g.native[0][0] in ("embed", "lm_head"):  # the largest tensors: in row blocks
+                    writer.write_rows(g.hf[0], _row_blocks(reader, g.native[0][0], plan[i], bar))
+                    i += 1
+                    continue
                 outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
                 for key, a in zip(g.hf, outs, strict=True):
                     a = a.astype(IO.np_dtype(plan[i].dtype), copy=False)
@@ -241,3 +281,17 @@ def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes:
     finally:
         bar.close()
     return os.path.abspath(dst)
+
+
+def _row_blocks(reader: C.WeightReader, name: str, t: IO.PlannedTensor, bar: Any) -> Any:
+    """HF rows of embed (native rows) or lm_head (native columns), a block at a time."""
+    rows = _rows_per_block(t.shape, IO.np_dtype(t.dtype))
+    for r in range(0, t.shape[0], rows):
+        block = slice(r, min(t.shape[0], r + rows))
+        if name == "lm_head":
+            a = np.ascontiguousarray(reader.read(name, (slice(None), block)).T)
+        else:
+            a = reader.read(name, (block, slice(None)))
+        a = a.astype(IO.np_dtype(t.dtype), copy=False)
+        bar.update(a.nbytes)
+        yield a

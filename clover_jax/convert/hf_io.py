@@ -1,8 +1,9 @@
 """Reading and writing HuggingFace weight files, one tensor at a time.
 
 Reading: `open_source(dir)` indexes every tensor of a directory (safetensors with or without
-`model.safetensors.index.json`; PyTorch `.bin` pickles only when explicitly allowed, loaded with
-`torch.load(weights_only=True, mmap=True)`) from headers only, and `get(key)` reads one tensor.
+`model.safetensors.index.json`, validated with safetensors' `safe_open`; PyTorch `.bin` pickles only
+when explicitly allowed, loaded with `torch.load(weights_only=True, mmap=True)`) from headers only,
+and `get(key)` reads one tensor (a positional read into a fresh array, no memory map).
 
 Writing: `ShardedWriter` is given the full list of (key, shape, dtype) up front, plans shards of
 bounded size, and writes each safetensors file header-first, then tensors in order as they come,
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +54,14 @@ class SafetensorsSource:
         self.directory = directory
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}
         for name in files:
             path = os.path.join(directory, name)
-            _check_safetensors_file(path)
+            data_start, header = _check_safetensors_file(path)
+            self._offsets.update({k: (data_start + v["data_offsets"][0], data_start + v["data_offsets"][1])
+                                  for k, v in header.items() if k != "__metadata__"})
+            self._fds[name] = os.open(path, os.O_RDONLY)
             try:
                 h = safe_open(path, framework="numpy")
                 h.__enter__()
@@ -72,17 +78,44 @@ class SafetensorsSource:
                 self.tensors[key] = TensorInfo(name, tuple(sl.get_shape()), dt)
 
     def get(self, key: str) -> np.ndarray:
+        """One tensor, read with a plain positional read: safe_open's memory map would leave every page
+        it touched resident (and counted in RSS) for as long as the file stays open."""
+        return self.get_rows(key, 0, self.tensors[key].shape[0] if self.tensors[key].shape else 1)
+
+    def get_rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a tensor (all of it for a scalar): contiguous bytes on disk."""
         info = self.tensors[key]
-        return self._handles[info.file].get_tensor(key)
+        begin, end = self._offsets[key]
+        itemsize = np_dtype(info.dtype).itemsize
+        row = int(np.prod(info.shape[1:])) * itemsize if info.shape else itemsize
+        n_all = int(np.prod(info.shape)) * itemsize
+        if n_all != end - begin:
+            raise ConversionError(f"tensor {key!r} in {info.file}: header size {end - begin} bytes, "
+                                  f"shape {info.shape} {info.dtype} needs {n_all}")
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        out = np.empty(shape, np_dtype(info.dtype))
+        buf = out.reshape(-1).view(np.uint8)
+        begin += start * row
+        fd = self._fds[info.file]
+        done = 0
+        while done < buf.nbytes:
+            n = os.preadv(fd, [buf[done:]], begin + done)
+            if n <= 0:
+                raise ConversionError(f"{info.file} ended while reading {key!r}: the file is truncated")
+            done += n
+        return out
 
     def close(self) -> None:
         for h in self._handles.values():
             h.__exit__(None, None, None)
         self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
-def _check_safetensors_file(path: str) -> None:
-    """A clear error for a truncated or corrupt file, before safetensors' own terse one."""
+def _check_safetensors_file(path: str) -> tuple[int, dict[str, Any]]:
+    """(data start, header); a clear error for a truncated or corrupt file, before safetensors' terse one."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -98,6 +131,7 @@ def _check_safetensors_file(path: str) -> None:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ConversionError(f"{path} is truncated: its tensors need {8 + n + end} bytes, the file has {size}")
+    return 8 + n, header
 
 
 class PickleSource:
@@ -122,9 +156,13 @@ class PickleSource:
                 self.tensors[key] = TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
     def get(self, key: str) -> np.ndarray:
+        return self.get_rows(key, 0, self.tensors[key].shape[0] if self.tensors[key].shape else 1)
+
+    def get_rows(self, key: str, start: int, stop: int) -> np.ndarray:
         import torch
 
-        t = self._state[key].contiguous()
+        t = self._state[key]
+        t = (t[start:stop] if t.ndim else t).contiguous()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np_dtype("bfloat16")).copy()
         return t.numpy().copy()
@@ -220,12 +258,21 @@ class ShardedWriter:
         self._f.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, key: str, array: np.ndarray) -> None:
+        self.write_rows(key, [array])
+
+    def write_rows(self, key: str, blocks: Iterable[np.ndarray]) -> None:
+        """The next planned tensor, given as consecutive row blocks (so it need not exist whole)."""
         t = self.plan[self._pos]
-        if key != t.key or tuple(array.shape) != t.shape or array.dtype != np_dtype(t.dtype):
-            raise ConversionError(f"internal: wrote {key} {array.shape} {array.dtype}, planned {t}")
         if self._f is None or self._in_shard == len(self.shards[self._shard]):
             self._open_next()
-        self._f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # no copy; little-endian hosts
+        rows = 0
+        for a in blocks:
+            if key != t.key or tuple(a.shape[1:]) != t.shape[1:] or a.dtype != np_dtype(t.dtype):
+                raise ConversionError(f"internal: wrote {key} {a.shape} {a.dtype}, planned {t}")
+            self._f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # no copy; little-endian hosts
+            rows += a.shape[0] if a.ndim else 1
+        if rows != (t.shape[0] if t.shape else 1):
+            raise ConversionError(f"internal: wrote {rows} rows of {key}, planned {t}")
         self._in_shard += 1
         self._pos += 1
 

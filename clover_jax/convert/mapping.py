@@ -11,7 +11,7 @@ Layout conventions: HF `nn.Linear` weights are [out, in]; native projections are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,7 @@ class Group:
     hf_shapes: tuple[tuple[int, ...], ...]
     native: tuple[Slot, ...]
     to_native: Callable[[Sequence[np.ndarray]], list[np.ndarray]]
-    to_hf: Callable[[Sequence[np.ndarray]], list[np.ndarray]]
+    to_hf: Callable[[Sequence[np.ndarray]], Iterable[np.ndarray]]  # consumed in order, once
     kind: str = "matmul"  # matmul | float32 (norms, router, bias: stored float32 natively)
 
 
@@ -68,13 +68,16 @@ def experts(hf_keys: Sequence[str], slot: Slot, e: int, n_in: int, n_out: int) -
     """E per-expert HF Linears [out, in] <-> native stacked [E, in, out]."""
 
     def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
-        out = np.empty((e, n_in, n_out), a[0].dtype)
-        for i, w in enumerate(a):
+        out = None
+        for i in range(e):  # `a` may read lazily: one expert in memory besides the output
+            w = a[i]
+            if out is None:
+                out = np.empty((e, n_in, n_out), w.dtype)
             out[i] = w.T
         return [out]
 
-    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return [np.ascontiguousarray(a[0][i].T) for i in range(e)]
+    def to_hf(a: Sequence[np.ndarray]) -> Iterator[np.ndarray]:
+        return (np.ascontiguousarray(a[0][i].T) for i in range(e))  # one expert at a time
 
     return Group(hf=tuple(hf_keys), hf_shapes=((n_out, n_in),) * e, native=(slot,),
                  to_native=to_native, to_hf=to_hf)
