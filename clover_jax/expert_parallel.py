@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -325,10 +326,42 @@ def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tu
     return y[:n], dropped
 
 
+_EMULATE_RAGGED: contextvars.ContextVar[bool] = contextvars.ContextVar("clover_ep_emulate_ragged", default=False)
+
+
+@contextlib.contextmanager
+def emulated_ragged_all_to_all() -> Iterator[None]:
+    """Trace `ep_ragged_a2a` with an all_gather-based stand-in for `ragged_all_to_all` (same
+    semantics, n_ep times the traffic): lets CPU tests check the offsets bookkeeping."""
+    token = _EMULATE_RAGGED.set(True)
+    try:
+        yield
+    finally:
+        _EMULATE_RAGGED.reset(token)
+
+
+def _ragged_all_to_all_reference(operand: Array, output: Array, input_offsets: Array, send_sizes: Array,
+                                 output_offsets: Array, recv_sizes: Array, *, axis_name: tuple[str, ...],
+                                 me: Array, n: int) -> Array:
+    """`lax.ragged_all_to_all` as documented, built from all_gather and scatters."""
+    del recv_sizes  # implied by the senders' send_sizes
+    ops = jax.lax.all_gather(operand, axis_name, tiled=False)
+    ins, sends, outs = (jax.lax.all_gather(a, axis_name, tiled=False) for a in
+                        (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(operand.shape[0])
+    for s in range(n):
+        ok = rows < sends[s, me]
+        src = jnp.minimum(ins[s, me] + rows, operand.shape[0] - 1)
+        dst = jnp.where(ok, outs[s, me] + rows, output.shape[0])  # out of bounds: dropped
+        output = output.at[dst].set(ops[s][src], mode="drop")
+    return output
+
+
 @moe.register("ep_ragged_a2a")
 def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tuple[Array, Array]:
     ax = ep_axes(cfg)
-    if _platform(ax.mesh) == "cpu":
+    emulate = _EMULATE_RAGGED.get()
+    if _platform(ax.mesh) == "cpu" and not emulate:
         raise NotImplementedError(
             "ep_ragged_a2a needs jax.lax.ragged_all_to_all, which XLA implements on TPU and GPU only; "
             "on CPU use ep_a2a (capacity-limited) or ep_gather (dropless)")
@@ -350,6 +383,10 @@ def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig
         send_sizes = jnp.zeros((n_ep + 1,), jnp.int32).at[dest].add(1)[:n_ep]
         in_offsets = jnp.cumsum(send_sizes) - send_sizes
         me = ax.index(ax.expert)
+        if emulate:
+            ragged = functools.partial(_ragged_all_to_all_reference, me=me, n=n_ep)
+        else:
+            ragged = jax.lax.ragged_all_to_all
         # sizes[s, j]: copies shard s sends to shard j; every shard needs its column and row offsets.
         sizes = jax.lax.all_gather(send_sizes, ax.expert, tiled=False).reshape(n_ep, n_ep)
         out_offsets = (jnp.cumsum(sizes, 0) - sizes)[me]
@@ -358,13 +395,13 @@ def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig
         back_offsets = (jnp.cumsum(sizes, 1) - sizes)[:, me]
         buf = n_ep * nk  # worst case: every shard sends all its copies here
         local_ids = jnp.where(sorted_e < n_exp, sorted_e - dest * e_local, -1).astype(jnp.int32)
-        recv = jax.lax.ragged_all_to_all(rows, jnp.zeros((buf, d), x.dtype), in_offsets, send_sizes,
+        recv = ragged(rows, jnp.zeros((buf, d), x.dtype), in_offsets, send_sizes,
                                          out_offsets, recv_sizes, axis_name=ax.expert)
-        recv_ids = jax.lax.ragged_all_to_all(local_ids[:, None], jnp.full((buf, 1), -1, jnp.int32), in_offsets,
+        recv_ids = ragged(local_ids[:, None], jnp.full((buf, 1), -1, jnp.int32), in_offsets,
                                              send_sizes, out_offsets, recv_sizes, axis_name=ax.expert)[:, 0]
         ids = jnp.where(recv_ids >= 0, recv_ids, e_local)
         y = grouped_ffn(recv, ids, gate, up, down, impl)
-        back = jax.lax.ragged_all_to_all(y, jnp.zeros((nk, d), y.dtype), recv_offsets, recv_sizes,
+        back = ragged(y, jnp.zeros((nk, d), y.dtype), recv_offsets, recv_sizes,
                                          back_offsets, send_sizes, axis_name=ax.expert)
         y_copies = jnp.zeros_like(back).at[order].set(back)
         out = _combine(y_copies, weights, jnp.float32)
