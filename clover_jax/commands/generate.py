@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 PLACEHOLDER = "░"
+_RANDOM_WEIGHTS: dict[tuple, Any] = {}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -99,7 +100,11 @@ def load(model: str, mesh_name: str | None) -> tuple[Any, Any, Any, Any]:
         else:
             print(f"clover generate: warning: {model!r} is a preset: RANDOM weights and the byte tokenizer "
                   "(pass --model <checkpoint dir> for a trained model)", file=sys.stderr)
-            weights = params.init(cfg, jax.random.key(0), shardings)
+            key = (model, mesh_name)  # repeated runs in one process (notebooks, tests) reuse the init
+            if key not in _RANDOM_WEIGHTS:
+                _RANDOM_WEIGHTS.clear()
+                _RANDOM_WEIGHTS[key] = params.init(cfg, jax.random.key(0), shardings)
+            weights = _RANDOM_WEIGHTS[key]
             tok = ByteTokenizer()
     except (ConfigError, ShardingError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e

@@ -1,0 +1,98 @@
+"""`clover generate` end to end on a tiny preset: one prompt, a jsonl batch job, resuming after a kill."""
+
+import json
+
+import pytest
+
+from clover_jax import cli
+from clover_jax.commands import generate as gen_cmd
+
+FLAGS = ["--model", "test-clover", "--gen-length", "16", "--block-length", "8"]
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_one_prompt_with_show(capsys):
+    assert cli.main(["generate", "Hi there", *FLAGS, "--steps", "4", "--show", "--no-eos-stop"]) == 0
+    out, err = capsys.readouterr()
+    assert "RANDOM weights" in err
+    frames = [ln for ln in err.splitlines() if ln.startswith("[block ")]
+    assert len(frames) == 4 and gen_cmd.PLACEHOLDER in frames[0]  # 4 steps, masks shown while filling
+    assert "4 forward passes, 4.00 tokens/pass" in err and "tokens/s" in err and "compile" in err
+    assert out.endswith("\n")
+
+
+def test_bad_input_is_one_line_before_loading(capsys, tmp_path):
+    assert cli.main(["generate", "x", *FLAGS, "--gen-length", "12"]) == 2
+    assert "multiple of block_length" in capsys.readouterr().err
+    assert cli.main(["generate", "x", *FLAGS, "--threshold", "2"]) == 2
+    assert cli.main(["generate", "x", *FLAGS, "--remasking", "best"]) == 2
+    assert cli.main(["generate", "x", "--model", "no-such-model"]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    assert cli.main(["generate", "--input", str(bad), "--output", str(tmp_path / "o.jsonl"), *FLAGS]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_batch_job_resumes_after_a_kill(tmp_path, monkeypatch, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"ask {i}"}) + "\n" for i in range(5)))
+    args = ["generate", "--input", str(prompts), *FLAGS, "--batch-size", "2"]
+    whole = tmp_path / "whole.jsonl"
+    assert cli.main([*args, "--output", str(whole)]) == 0
+    ref = {r["id"]: r for r in _rows(whole)}
+    assert sorted(ref) == [f"p{i}" for i in range(5)]
+    assert all(r["prompt"] == f"ask {r['id'][1:]}" and {"text", "stats"} <= set(r) for r in ref.values())
+
+    # Kill the second batch halfway through writing its lines: a torn line is left on disk.
+    real_append = gen_cmd.append_rows
+    calls = []
+
+    def dying_append(path, rows):
+        calls.append(len(rows))
+        if len(calls) == 2:
+            with open(path, "a") as f:
+                f.write(json.dumps(rows[0])[:10])
+            raise KeyboardInterrupt
+        real_append(path, rows)
+
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(gen_cmd, "append_rows", dying_append)
+    assert cli.main([*args, "--output", str(out)]) == 130
+    assert not out.read_text().endswith("\n")
+    monkeypatch.setattr(gen_cmd, "append_rows", real_append)
+    capsys.readouterr()
+    assert cli.main([*args, "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "torn last line" in err and "2 rows already" in err
+    rows = _rows(out)
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(5)]  # nothing lost, nothing twice
+    assert all(r["text"] == ref[r["id"]]["text"] for r in rows)
+    # a finished job run again does nothing
+    assert cli.main([*args, "--output", str(out)]) == 0
+    assert len(_rows(out)) == 5
+
+
+def test_refuses_to_append_to_a_file_that_is_not_its_output(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
+    with pytest.raises(cli.UserError, match=r"o\.jsonl:2"):
+        gen_cmd.finished_ids(str(out))
+    out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "te')
+    assert gen_cmd.finished_ids(str(out)) == {1, 2}
+    assert out.read_text() == '{"id": 1}\n{"id": 2}\n'
+
+
+def test_chat_template_is_applied_unless_disabled():
+    class Tok:
+        def apply_chat_template(self, prompt):
+            return f"<user>{prompt}</user><assistant>"
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    assert gen_cmd.encode(Tok(), "hi", chat=True) == [ord(c) for c in "<user>hi</user><assistant>"]
+    assert gen_cmd.encode(Tok(), "hi", chat=False) == [ord("h"), ord("i")]
