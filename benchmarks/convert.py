@@ -52,7 +52,7 @@ def generate(path: str, size_gb: float, layout: str) -> dict:
     per_layer = sum(int(np.prod(s)) * 2 for g in mod.groups(cfg) for k, s in zip(g.hf, g.hf_shapes, strict=True)
                     if ".layers.1." in k)
     fixed = 2 * cfg.vocab_size * cfg.d_model * 2
-    n_layers = max(cfg.n_dense_layers + 1, round((size_gb * 1e9 - fixed) / per_layer))
+    n_layers = cfg.n_dense_layers + max(1, round((size_gb * 1e9 - fixed) / per_layer))
     cfg = cfg.replace(n_layers=n_layers)
     groups = mod.groups(cfg)
     plan = [PlannedTensor(k, tuple(s), "bfloat16" if g.kind == "matmul" else "float32")

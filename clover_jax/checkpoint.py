@@ -237,17 +237,15 @@ def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, P.Weights
 
 @dataclass(frozen=True)
 class LazyLeaf:
-    """An array that does not exist yet, produced in blocks along one axis: `read(j)` returns block j,
-    i.e. `array[..., j*block:(j+1)*block, ...]` on `axis` (the last block may be shorter).
-
-    Stacked layer weights use axis 0, block 1: one layer at a time. Each block is one storage chunk.
+    """An array that does not exist yet, produced one storage chunk at a time: `read(index)` returns
+    `array[index]` for `index` a tuple of slices covering one chunk of shape `chunk` (edge chunks may
+    be smaller). Stacked layer weights use chunks of one layer (or part of one layer's experts).
     """
 
     shape: tuple[int, ...]
     dtype: Any
-    read: Callable[[int], np.ndarray]
-    axis: int = 0
-    block: int = 1
+    read: Callable[[tuple[slice, ...]], np.ndarray]
+    chunk: tuple[int, ...] | None = None  # None: one chunk, the whole array
 
     @property
     def size(self) -> int:
@@ -258,29 +256,28 @@ class LazyLeaf:
         return len(self.shape)
 
     @property
-    def n_blocks(self) -> int:
-        return -(-self.shape[self.axis] // self.block) if self.shape else 1
+    def chunk_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape if self.chunk is None else self.chunk)
 
-    def block_index(self, j: int) -> tuple[slice, ...]:
-        idx = [slice(None)] * len(self.shape)
-        if self.shape:
-            idx[self.axis] = slice(j * self.block, min((j + 1) * self.block, self.shape[self.axis]))
-        return tuple(idx)
+    def blocks(self) -> Iterator[tuple[slice, ...]]:
+        """Chunk indices in C order."""
+        import itertools
 
-    def block_shape(self, j: int) -> tuple[int, ...]:
-        return tuple(len(range(*s.indices(n))) for s, n in zip(self.block_index(j), self.shape, strict=True))
+        axes = [[slice(o, min(o + c, n)) for o in range(0, n, c)] for n, c in zip(self.shape, self.chunk_shape,
+                                                                                   strict=True)]
+        yield from itertools.product(*axes)
 
 
 def whole(a: np.ndarray) -> LazyLeaf:
-    """A LazyLeaf holding an array that already exists (one block)."""
+    """A LazyLeaf holding an array that already exists (one chunk)."""
     a = np.asarray(a)
-    return LazyLeaf(a.shape, a.dtype, lambda j: a, axis=0, block=max(a.shape[:1] or (1,)))
+    return LazyLeaf(a.shape, a.dtype, lambda idx: a[idx])
 
 
 def _lazy_handler() -> Any:
-    """An Orbax type handler that writes a LazyLeaf block by block into the checkpoint's tensorstore.
+    """An Orbax type handler that writes a LazyLeaf chunk by chunk into the checkpoint's tensorstore.
 
-    Each block is one storage chunk, so a restore into any sharding reads only what each device needs.
+    Each chunk is one storage chunk, so a restore into any sharding reads only what each device needs.
     The stored array is an ordinary one: `StandardCheckpointer.restore` reads it like any other.
     """
     import tensorstore as ts
@@ -296,14 +293,15 @@ def _lazy_handler() -> Any:
             for value, info, arg in zip(values, infos, args, strict=True):
                 await info.await_path_creation()
                 spec = ts_utils.build_array_write_spec(
-                    info=info, arg=arg, global_shape=value.shape, local_shape=value.block_shape(0),
+                    info=info, arg=arg, global_shape=value.shape, local_shape=value.chunk_shape,
                     dtype=np.dtype(value.dtype), use_ocdbt=info.is_ocdbt_checkpoint,
                     process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
                     metadata_key=self._metadata_key).json
                 t = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
-                for j in range(value.n_blocks):  # one block in memory at a time
-                    await t[value.block_index(j)].write(_checked(value, value.read(j), value.block_shape(j)),
-                                                        can_reference_source_data_indefinitely=True)
+                for idx in value.blocks():  # one chunk in memory at a time
+                    shape = tuple(s.stop - s.start for s in idx)
+                    await t[idx].write(_checked(value, value.read(idx), shape),
+                                       can_reference_source_data_indefinitely=True)
 
     return LazyLeafHandler()
 
@@ -319,7 +317,7 @@ _HANDLER_REGISTERED = False
 
 def save_streaming(path: str, cfg: ModelConfig, leaves: Mapping[str, LazyLeaf], tokenizer_dir: str | None = None,
                    extra_files: Mapping[str, str] | None = None, force: bool = False) -> str:
-    """Like save_model, but each weight is a LazyLeaf produced one block at a time (conversion)."""
+    """Like save_model, but each weight is a LazyLeaf produced one chunk at a time (conversion)."""
     global _HANDLER_REGISTERED
     import orbax.checkpoint as ocp
     from orbax.checkpoint import type_handlers as th

@@ -122,8 +122,9 @@ def test_streaming_save_and_slice_reader(tmp_path, devices):
     def lazy(name, a):
         stacked = "layers." in name
         if not stacked:
-            return C.LazyLeaf(a.shape, a.dtype, lambda j: a[j * 100:(j + 1) * 100], axis=0, block=100)
-        return C.LazyLeaf(a.shape, a.dtype, lambda i: (reads.append((name, i)), a[i:i + 1])[1])
+            return C.LazyLeaf(a.shape, a.dtype, lambda idx: a[idx], chunk=(100, *a.shape[1:]))
+        chunk = (1, 5, *a.shape[2:]) if name == "moe_layers.mlp.gate" else (1, *a.shape[1:])  # 16 experts: 5+5+5+1
+        return C.LazyLeaf(a.shape, a.dtype, lambda idx: (reads.append((name, idx[0].start)), a[idx])[1], chunk)
 
     C.save_streaming(str(tmp_path / "s"), cfg, {n: lazy(n, a) for n, a in flat.items()})
     # Stacked weights were produced one layer at a time.

@@ -47,11 +47,11 @@ def write_hf(path, tensors: dict, hf_cfg: dict, n_files: int = 2) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16) -> dict:
+def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16, fused: bool = False) -> dict:
     """Random tensors for every key the layout defines; norms/router/bias in `small_dtype`."""
     rng = np.random.default_rng(seed)
     out = {}
-    for g in LAYOUTS[layout].groups(cfg):
+    for g in LAYOUTS[layout].groups(cfg, fused_experts=fused):
         for k, s in zip(g.hf, g.hf_shapes, strict=True):
             dt = np.dtype(cfg.dtype) if g.kind == "matmul" else small_dtype
             out[k] = (rng.standard_normal(s, np.float32) * 0.1).astype(dt)
@@ -72,13 +72,17 @@ def no_leftovers(parent, allowed=()) -> None:
     assert sorted(set(os.listdir(parent)) - set(allowed)) == [], os.listdir(parent)
 
 
-@pytest.mark.parametrize("layout", sorted(PRESETS))
+@pytest.mark.parametrize("layout", [*sorted(PRESETS), "qwen3_moe-fused"])
 def test_hf_native_hf_bit_exact(tmp_path, monkeypatch, layout):
     import clover_jax.convert as CV
 
-    monkeypatch.setattr(CV, "ROW_BLOCK_BYTES", 1000)  # embed / lm_head in many row blocks, the last one short
+    # embed / lm_head in many row blocks (the last one short), routed experts in parts of a layer
+    monkeypatch.setattr(CV, "ROW_BLOCK_BYTES", 5000)
+    fused = layout.endswith("-fused")  # transformers 5's in-memory experts: gate_up_proj [E, 2F, D], down_proj
+    layout = layout.removesuffix("-fused")
     cfg = get_config(PRESETS[layout], dtype="bfloat16")
-    tensors = synthetic_tensors(cfg, layout)
+    tensors = synthetic_tensors(cfg, layout, fused=fused)
+    assert fused == ("model.layers.1.mlp.experts.gate_up_proj" in tensors)
     hf_cfg = LAYOUTS[layout].config_to_hf(cfg)
     hf_cfg["some_unknown_field"] = [1, 2]  # kept verbatim on the way back
     write_hf(tmp_path / "hf", tensors, hf_cfg)

@@ -150,6 +150,9 @@ class _Lazy(Sequence):
     def __getitem__(self, i: Any) -> Any:
         return self.source.get(self.keys[i])
 
+    def rows(self, i: int, start: int, stop: int) -> np.ndarray:
+        return self.source.get_rows(self.keys[i], start, stop)
+
 
 ROW_BLOCK_BYTES = 64 * 1024**2
 
@@ -164,12 +167,14 @@ def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> C
     hf_shape = source.tensors[key].shape
     rows = _rows_per_block(hf_shape, spec.dtype)
 
-    def read(j: int) -> np.ndarray:
-        a = source.get_rows(key, j * rows, min(hf_shape[0], (j + 1) * rows)).astype(spec.dtype, copy=False)
+    def read(idx: tuple[slice, ...]) -> np.ndarray:
+        sl = idx[1] if transpose else idx[0]
+        a = source.get_rows(key, sl.start, sl.stop).astype(spec.dtype, copy=False)
         bar.update(a.nbytes)
         return np.ascontiguousarray(a.T) if transpose else a
 
-    return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, axis=1 if transpose else 0, block=rows)
+    chunk = (spec.shape[0], rows) if transpose else (rows, spec.shape[1])
+    return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
 
 def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: int | None = None,
@@ -209,14 +214,24 @@ def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: i
             if name in ("embed", "lm_head"):  # the largest tensors: in row blocks, never whole
                 return _rows_leaf(source, slot_of[(name, None)][0].hf[0], spec, transpose=name == "lm_head", bar=bar)
 
-            def read(i: int) -> np.ndarray:
-                g, pos = slot_of[(name, i if stacked else None)]
-                out = np.asarray(g.to_native(_Lazy(source, g.hf))[pos]).astype(spec.dtype, copy=False)
+            g0 = slot_of[(name, 0 if stacked else None)][0]
+            chunk = None
+            if stacked:  # one layer per chunk; routed experts in parts of about ROW_BLOCK_BYTES
+                per_expert = int(np.prod(spec.shape[2:])) * np.dtype(spec.dtype).itemsize
+                n_e = max(1, ROW_BLOCK_BYTES // per_expert) if g0.part else spec.shape[1]
+                chunk = (1, min(n_e, spec.shape[1]), *spec.shape[2:])
+
+            def read(idx: tuple[slice, ...]) -> np.ndarray:
+                g, pos = slot_of[(name, idx[0].start if stacked else None)]
+                if stacked and g.part and idx[1] != slice(0, spec.shape[1]):
+                    out = g.part(_Lazy(source, g.hf), idx[1])[pos]
+                else:
+                    out = g.to_native(_Lazy(source, g.hf))[pos]
+                out = np.asarray(out).astype(spec.dtype, copy=False)
                 bar.update(out.nbytes)
                 return out[None] if stacked else out
 
-            return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, axis=0,
-                              block=1 if stacked else max(spec.shape[:1] or (1,)))
+            return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
         leaves = {n: lazy(n, s) for n, s in specs.items()}
         record = {"layout": mod.NAME, "fused_experts": fused, "dtypes": dtypes, "config": hf}

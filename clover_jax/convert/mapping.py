@@ -29,6 +29,9 @@ class Group:
     to_native: Callable[[Sequence[np.ndarray]], list[np.ndarray]]
     to_hf: Callable[[Sequence[np.ndarray]], Iterable[np.ndarray]]  # consumed in order, once
     kind: str = "matmul"  # matmul | float32 (norms, router, bias: stored float32 natively)
+    # For routed experts: to_native restricted to experts[sl] (reads only those), so that one layer's
+    # experts can be produced in parts.
+    part: Callable[[Sequence[np.ndarray], slice], list[np.ndarray]] | None = None
 
 
 def _prod(shape: Sequence[int]) -> int:
@@ -65,42 +68,53 @@ def fused_qkv(hf_key: str, slots: tuple[Slot, Slot, Slot], d: int, h: int, kv: i
 
 
 def experts(hf_keys: Sequence[str], slot: Slot, e: int, n_in: int, n_out: int) -> Group:
-    """E per-expert HF Linears [out, in] <-> native stacked [E, in, out]."""
+    """E per-expert HF Linears [out, in] <-> native stacked [E, in, out]. `a` may read lazily: one
+    expert in memory besides the output."""
 
-    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def part(a: Sequence[np.ndarray], sl: slice) -> list[np.ndarray]:
         out = None
-        for i in range(e):  # `a` may read lazily: one expert in memory besides the output
+        for j, i in enumerate(range(*sl.indices(e))):
             w = a[i]
             if out is None:
-                out = np.empty((e, n_in, n_out), w.dtype)
-            out[i] = w.T
+                out = np.empty((len(range(*sl.indices(e))), n_in, n_out), w.dtype)
+            out[j] = w.T
         return [out]
 
     def to_hf(a: Sequence[np.ndarray]) -> Iterator[np.ndarray]:
         return (np.ascontiguousarray(a[0][i].T) for i in range(e))  # one expert at a time
 
     return Group(hf=tuple(hf_keys), hf_shapes=((n_out, n_in),) * e, native=(slot,),
-                 to_native=to_native, to_hf=to_hf)
+                 to_native=lambda a: part(a, slice(0, e)), to_hf=to_hf, part=part)
 
 
 def fused_experts_gate_up(hf_key: str, slots: tuple[Slot, Slot], e: int, d: int, f: int) -> Group:
     """transformers 5 in-memory Qwen-MoE layout: gate_up_proj [E, 2F, D] (gate rows first)."""
 
-    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
-        w = a[0]
+    def part(a: Sequence[np.ndarray], sl: slice) -> list[np.ndarray]:
+        w = _rows(a, 0, sl, e)
         return [np.ascontiguousarray(w[:, :f].transpose(0, 2, 1)), np.ascontiguousarray(w[:, f:].transpose(0, 2, 1))]
 
     def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [np.ascontiguousarray(np.concatenate([a[0], a[1]], axis=2).transpose(0, 2, 1))]
 
-    return Group(hf=(hf_key,), hf_shapes=((e, 2 * f, d),), native=slots, to_native=to_native, to_hf=to_hf)
+    return Group(hf=(hf_key,), hf_shapes=((e, 2 * f, d),), native=slots, to_native=lambda a: part(a, slice(0, e)),
+                 to_hf=to_hf, part=part)
 
 
 def fused_experts_down(hf_key: str, slot: Slot, e: int, d: int, f: int) -> Group:
     """transformers 5 in-memory layout: down_proj [E, D, F] <-> native [E, F, D]."""
-    return Group(hf=(hf_key,), hf_shapes=((e, d, f),), native=(slot,),
-                 to_native=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))],
-                 to_hf=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))])
+    def part(a: Sequence[np.ndarray], sl: slice) -> list[np.ndarray]:
+        return [np.ascontiguousarray(_rows(a, 0, sl, e).transpose(0, 2, 1))]
+
+    return Group(hf=(hf_key,), hf_shapes=((e, d, f),), native=(slot,), to_native=lambda a: part(a, slice(0, e)),
+                 to_hf=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))], part=part)
+
+
+def _rows(a: Sequence[np.ndarray], i: int, sl: slice, n: int) -> np.ndarray:
+    """Rows `sl` of tensor i: read alone when `a` can (the converter's lazy reader), else sliced."""
+    start, stop, _ = sl.indices(n)
+    rows = getattr(a, "rows", None)
+    return rows(i, start, stop) if rows else a[i][start:stop]
 
 
 # ---- per-layer building blocks shared by the layouts ---------------------------------------------------
