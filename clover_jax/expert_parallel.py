@@ -185,27 +185,30 @@ def _pad_tokens(x: Array, r: Routing, multiple: int) -> tuple[Array, Array, Arra
 # ---- local grouped matmul -------------------------------------------------------------------------
 
 
-def _tiled_ffn(rows: Array, sizes: Array, gate: Array, up: Array, down: Array) -> Array:
-    """Rows sorted by expert; each expert's contiguous group walked in tiles of m rows, in place."""
-    n_rows, d = rows.shape
-    m = moe.tile_rows(n_rows, gate.shape[0])
-    starts = jnp.cumsum(sizes) - sizes
-    padded = jnp.concatenate([rows, jnp.zeros((m, d), rows.dtype)])
+def _varying(a: Array) -> set[str]:
+    """Manual mesh axes `a` varies over (the aval field moved between JAX releases)."""
+    aval = jax.typeof(a)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return set(vma or ())
 
-    def expert_body(e: Array, out: Array) -> Array:
-        def tile_body(t: Array, out: Array) -> Array:
-            row = starts[e] + t * m
-            tile = jax.lax.dynamic_slice_in_dim(padded, row, m)
-            y = (jax.nn.silu(tile @ gate[e]) * (tile @ up[e])) @ down[e]
-            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), row, 0)
 
-        return jax.lax.fori_loop(0, (sizes[e] + m - 1) // m, tile_body, out)
+def _same_vma(*arrays: Array) -> list[Array]:
+    """Mark every array as varying over the union of the mesh axes any of them varies over.
 
-    # The carry varies over every mesh axis its updates do (rows and weights): under shard_map the
-    # loop's input and output must agree, so derive the zeros from both.
-    init = jnp.zeros_like(padded) + jnp.zeros((), padded.dtype) * down[0, 0, 0].astype(padded.dtype)
-    out = jax.lax.fori_loop(0, gate.shape[0], expert_body, init)
-    return out[:n_rows]
+    Each local function starts with this on its differentiable inputs: then (1) a loop carry that
+    starts from the rows and accumulates weights keeps its type, and (2) the gradient of an input
+    replicated over an axis is psum-ed over it. Without it, rows gathered by shard-dependent
+    indices (the sort by local expert) carried only this shard's part of dx. `pcast` costs nothing
+    at run time; its transpose is that psum.
+    """
+    axes = set().union(*(_varying(a) for a in arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(axes - _varying(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
 
 
 def grouped_ffn(rows: Array, local_ids: Array, gate: Array, up: Array, down: Array, impl: str) -> Array:
@@ -224,7 +227,8 @@ def grouped_ffn(rows: Array, local_ids: Array, gate: Array, up: Array, down: Arr
         u = jax.lax.ragged_dot(sorted_rows, up, sizes)
         y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
     elif impl == "tiled":
-        y = _tiled_ffn(sorted_rows, sizes, gate, up, down)
+        sorted_rows, gate, up, down = _same_vma(sorted_rows, gate, up, down)
+        y = moe.grouped_swiglu(sorted_rows, sizes, gate, up, down)
     else:
         raise ValueError(f"unknown local matmul {impl!r}")
     y = jnp.zeros_like(y).at[order].set(y)
@@ -255,6 +259,7 @@ def dispatch_ep_gather(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) ->
     impl = _local_impl(ax.mesh)
 
     def local(x: Array, experts: Array, weights: Array, gate: Array, up: Array, down: Array) -> Array:
+        x, weights, gate, up, down = _same_vma(x, weights, gate, up, down)
         k = experts.shape[1]
         rel = experts - ax.index(ax.expert) * e_local
         mine = (rel >= 0) & (rel < e_local)
@@ -294,6 +299,7 @@ def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tu
     impl = _local_impl(ax.mesh)
 
     def local(x: Array, experts: Array, weights: Array, gate: Array, up: Array, down: Array) -> tuple[Array, Array]:
+        x, weights, gate, up, down = _same_vma(x, weights, gate, up, down)
         d = x.shape[1]
         flat_e = experts.reshape(-1)
         dest = jnp.where(flat_e >= 0, flat_e // e_local, -1)
@@ -373,6 +379,7 @@ def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig
     impl = _local_impl(ax.mesh)
 
     def local(x: Array, experts: Array, weights: Array, gate: Array, up: Array, down: Array) -> Array:
+        x, weights, gate, up, down = _same_vma(x, weights, gate, up, down)
         nk, d = experts.size, x.shape[1]
         k = experts.shape[1]
         flat_e = jnp.where(experts >= 0, experts, n_exp).reshape(-1)  # padding copies sort last
