@@ -249,7 +249,7 @@ def _grouped_swiglu_bwd(heights, res, dy):
             dxt = dg @ wg.T + du @ wu.T
             return jax.lax.dynamic_update_slice_in_dim(dx, dxt.astype(dx.dtype), row, 0), dwg, dwu, dwd
 
-        zeros = lambda a: jnp.zeros(a.shape, f32)
+        zeros = lambda a: jnp.zeros_like(a, f32)  # zeros_like keeps shard_map varying-axes types
         dx, dwg, dwu, dwd = _walk_group(starts[e], sizes[e], heights, tile_fn, (dx, zeros(wg), zeros(wu), zeros(wd)))
         put = lambda acc, d: jax.lax.dynamic_update_slice(
             acc, d.astype(acc.dtype)[None, None], (layer, e, 0, 0))
