@@ -89,8 +89,10 @@ def make_mesh(layout: Layout, devices: list | None = None):
 
     devices = jax.devices() if devices is None else devices
     if len(devices) < layout.n_devices:
+        hint = (f" (on a CPU host, fake devices: XLA_FLAGS=--xla_force_host_platform_device_count={layout.n_devices})"
+                if devices and devices[0].platform == "cpu" else "")
         raise ShardingError(f"layout {layout.name!r} needs {layout.n_devices} devices {layout.shape}, "
-                            f"but {len(devices)} are available")
+                            f"but {len(devices)} are available{hint}")
     devices = list(devices[: layout.n_devices])
     if devices[0].platform == "tpu":
         # Physical-torus-aware order: a logical axis should follow whole ICI rings where it can.
