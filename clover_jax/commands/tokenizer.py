@@ -1,0 +1,35 @@
+"""`clover tokenizer train`: a SentencePiece tokenizer with the clover special ids (pad 0, bos 1, eos 2, mask 3)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tokenizer", help="train a SentencePiece tokenizer")
+    tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
+    t = tsub.add_parser("train", help="train tokenizer.model from a text file")
+    t.add_argument("--input", required=True, help="UTF-8 text file")
+    t.add_argument("--vocab-size", type=int, required=True, help="pieces in all, including 262 reserved")
+    t.add_argument("--output", required=True, help="directory to write tokenizer.model into")
+    t.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
+    t.add_argument("--holdout", type=float, default=0.0,
+                   help="leave out the last fraction of the file (keep eval text unseen), e.g. 0.05")
+    t.set_defaults(func=run)
+    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover_jax.cli import UserError
+    from clover_jax.tokenizer import load_tokenizer
+    from clover_jax.tokenizer_train import TokenizerTrainError, read_training_text, train_sentencepiece
+
+    try:
+        text = read_training_text(args.input, args.holdout)
+        path = train_sentencepiece(text, args.vocab_size, args.output, args.model_type)
+    except TokenizerTrainError as e:
+        raise UserError(str(e)) from e
+    tok = load_tokenizer(args.output)
+    n = len(tok.encode(text[:100_000]))
+    print(f"wrote {path}: {tok.vocab_size} pieces, {min(len(text), 100_000) / max(n, 1):.2f} characters per token")
+    return 0
