@@ -177,9 +177,9 @@ _register(ModelConfig(
 
 # The model this project trains and ships (checkpoints/clover-tiny): same attention mode and MoE kind.
 _register(ModelConfig(
-    name="clover-tiny", family="clover", vocab_size=2048, d_model=256, n_layers=4, n_heads=4,
-    n_kv_heads=2, head_dim=64, n_experts=8, n_experts_per_tok=2, expert_mlp_dim=256,
-    n_shared_experts=1, shared_mlp_dim=256, router="softmax", norm_topk_prob=True,
+    name="clover-tiny", family="clover", vocab_size=2048, d_model=192, n_layers=4, n_heads=4,
+    n_kv_heads=2, head_dim=48, n_experts=8, n_experts_per_tok=2, expert_mlp_dim=128,
+    n_shared_experts=1, shared_mlp_dim=128, router="softmax", norm_topk_prob=True,
     attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True,
     rope_theta=10000.0, partial_rotary_factor=0.5, max_seq_len=1024, eos_token_id=2, pad_token_id=0,
     mask_token_id=3, dtype="float32",

@@ -1,0 +1,128 @@
+"""Training data: token streams for pretraining and prompt/response pairs for SFT.
+
+Batches are a pure function of (seed, batch index), so the data position saved in a checkpoint is
+just the index of the next batch, and a resumed run reads exactly the batches the uninterrupted
+run would have read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Training data that cannot be used (missing, too short, malformed jsonl)."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Host-side numpy arrays [n, L]: tokens, which positions are real (not padding), which are scored."""
+
+    tokens: np.ndarray  # int32
+    valid: np.ndarray  # bool
+    loss_mask: np.ndarray  # bool: positions that may be masked and scored (all valid ones, or the response)
+
+
+def split_text(text: str, holdout: float) -> tuple[str, str]:
+    """(train, eval): the eval split is the last `holdout` fraction of the characters."""
+    cut = len(text) - int(len(text) * holdout)
+    return text[:cut], text[cut:]
+
+
+def read_text(path: str) -> str:
+    if not os.path.isfile(path):
+        raise DataError(f"training data {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+class TokenStream:
+    """Random windows of `seq_len` tokens from one long token array (pretraining)."""
+
+    def __init__(self, ids: np.ndarray, seq_len: int, seed: int):
+        if len(ids) <= seq_len:
+            raise DataError(f"the corpus has {len(ids)} tokens, fewer than one sequence of {seq_len}")
+        self.ids, self.seq_len, self.seed = np.asarray(ids, np.int32), seq_len, seed
+
+    def batch(self, index: int, n: int) -> Batch:
+        rng = np.random.default_rng([self.seed, index])
+        starts = rng.integers(0, len(self.ids) - self.seq_len + 1, size=n)
+        tokens = np.stack([self.ids[s: s + self.seq_len] for s in starts])
+        ones = np.ones(tokens.shape, bool)
+        return Batch(tokens, ones, ones)
+
+    def eval_batches(self, n_seqs: int) -> Batch:
+        """Up to `n_seqs` consecutive non-overlapping windows from the start: fixed, for a deterministic eval."""
+        n = min(n_seqs, len(self.ids) // self.seq_len)
+        tokens = self.ids[: n * self.seq_len].reshape(n, self.seq_len)
+        ones = np.ones(tokens.shape, bool)
+        return Batch(tokens, ones, ones)
+
+
+class PairDataset:
+    """SFT examples from jsonl lines {"prompt": str, "response": str}: [prompt | response eos | pad].
+
+    Only response tokens (and its eos) are masked and scored; the prompt stays clean as context.
+    """
+
+    def __init__(self, path: str, encode, seq_len: int, eos_id: int, pad_id: int, seed: int):
+        if not os.path.isfile(path):
+            raise DataError(f"SFT data {path!r} does not exist")
+        rows, n_cut = [], 0
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    prompt, response = rec["prompt"], rec["response"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise DataError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'response' "
+                                    f"strings ({e})") from e
+                p, r = list(encode(prompt)), [*encode(response), eos_id]
+                if len(p) >= seq_len:
+                    n_cut += 1
+                    continue
+                r = r[: seq_len - len(p)]
+                rows.append((p, r))
+        if not rows:
+            raise DataError(f"{path}: no usable examples ({n_cut} prompts longer than seq_len {seq_len})")
+        n = len(rows)
+        self.tokens = np.full((n, seq_len), pad_id, np.int32)
+        self.valid = np.zeros((n, seq_len), bool)
+        self.loss_mask = np.zeros((n, seq_len), bool)
+        for i, (p, r) in enumerate(rows):
+            self.tokens[i, : len(p) + len(r)] = p + r
+            self.valid[i, : len(p) + len(r)] = True
+            self.loss_mask[i, len(p): len(p) + len(r)] = True
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, index: int, n: int) -> Batch:
+        rng = np.random.default_rng([self.seed, index])
+        idx = rng.integers(0, len(self), size=n)
+        return Batch(self.tokens[idx], self.valid[idx], self.loss_mask[idx])
+
+    def split(self, holdout: float) -> tuple[PairDataset, PairDataset]:
+        """(train, eval) by the last `holdout` fraction of examples (at least one each)."""
+        n_eval = max(1, int(len(self) * holdout))
+        if len(self) - n_eval < 1:
+            raise DataError(f"{len(self)} SFT examples are too few to hold out {n_eval} for eval")
+        tr, ev = _view(self, slice(0, len(self) - n_eval)), _view(self, slice(len(self) - n_eval, None))
+        return tr, ev
+
+    def eval_batches(self, n_seqs: int) -> Batch:
+        n = min(n_seqs, len(self))
+        return Batch(self.tokens[:n], self.valid[:n], self.loss_mask[:n])
+
+
+def _view(ds: PairDataset, sl: slice) -> PairDataset:
+    out = object.__new__(PairDataset)
+    out.tokens, out.valid, out.loss_mask, out.seed = ds.tokens[sl], ds.valid[sl], ds.loss_mask[sl], ds.seed
+    return out

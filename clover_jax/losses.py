@@ -1,0 +1,116 @@
+"""Masked-diffusion training objective, the block-diffusion input layout and MoE auxiliary losses.
+
+Objective (LLaDA / MDLM): draw a noise level t ~ U(eps, 1), replace each scored token by [MASK] with
+probability t, and score the model's prediction of the original token at masked positions with
+cross-entropy weighted by 1/t; normalised by the number of scored tokens this is an upper bound on
+the negative log-likelihood per token.
+
+Block diffusion (block-causal configs): every block draws its own t; the noisy sequence and the clean
+one run side by side in one pass of 2L positions so that each noisy block sees exactly the context
+it will have at inference (the committed, clean blocks before it):
+
+    queries \\ keys     noisy block j          clean block j
+    noisy block i      j == i                 j <  i
+    clean block i      never                  j <= i
+
+Both halves use the same positions. Logits are computed for the noisy half only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.config import ModelConfig
+from clover_jax.model import ForwardOut, default_positions, forward, full_mask
+from clover_jax.moe import MoEStats
+
+Array = jax.Array
+
+
+class LossTerms(NamedTuple):
+    weighted_ce: Array  # [] sum over masked positions of CE / t
+    ce: Array  # [] sum over masked positions of CE (unweighted)
+    correct: Array  # [] masked positions whose argmax is the original token
+    n_masked: Array  # [] masked positions
+    moe: MoEStats | None  # stacked over MoE layers
+
+
+def n_blocks(cfg: ModelConfig, seq_len: int) -> int:
+    return -(-seq_len // cfg.block_size) if cfg.is_block_causal else 1
+
+
+def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float) -> Array:
+    """t in [eps, 1): stratified over all entries (one uniform offset, evenly spaced, shuffled), which
+    lowers the variance of the batch loss at no cost (MDLM's low-discrepancy sampler)."""
+    n = 1
+    for s in shape:
+        n *= s
+    k_off, k_perm = jax.random.split(key)
+    u = jnp.mod(jax.random.uniform(k_off, ()) + jnp.arange(n, dtype=jnp.float32) / n, 1.0)
+    u = jax.random.permutation(k_perm, u)
+    return (eps + (1.0 - eps) * u).reshape(shape)
+
+
+def positions_and_blocks(cfg: ModelConfig, valid: Array) -> tuple[Array, Array]:
+    pos = default_positions(valid)
+    return pos, pos // cfg.block_size
+
+
+def corrupt(key: Array, tokens: Array, loss_mask: Array, t_pos: Array, mask_id: int) -> tuple[Array, Array]:
+    """Mask each scorable token with probability t_pos: (noisy tokens, masked positions)."""
+    masked = (jax.random.uniform(key, tokens.shape) < t_pos) & loss_mask
+    return jnp.where(masked, mask_id, tokens), masked
+
+
+def block_diffusion_mask(valid: Array, block_ids: Array) -> Array:
+    """[B, 2L, 2L] attention mask for the concatenated (noisy, clean) sequence from valid / block ids [B, L]."""
+    qb, kb = block_ids[:, :, None], block_ids[:, None, :]
+    key_ok = valid[:, None, :]
+    noisy_noisy = (qb == kb) & key_ok
+    noisy_clean = (kb < qb) & key_ok
+    clean_noisy = jnp.zeros_like(noisy_noisy)
+    clean_clean = (kb <= qb) & key_ok
+    top = jnp.concatenate([noisy_noisy, noisy_clean], axis=2)
+    bottom = jnp.concatenate([clean_noisy, clean_clean], axis=2)
+    return jnp.concatenate([top, bottom], axis=1)
+
+
+def denoising_forward(weights, cfg: ModelConfig, noisy: Array, clean: Array, valid: Array,
+                      dispatch: str | None = None, remat: bool = False) -> ForwardOut:
+    """Logits [B, L, V] for the noisy sequence: next to the clean one for block-causal configs
+    (each noisy block sees the clean blocks before it), alone for bidirectional ones."""
+    seq = noisy.shape[1]
+    pos, blk = positions_and_blocks(cfg, valid)
+    if cfg.is_block_causal:
+        return forward(weights, cfg, jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1),
+                       block_diffusion_mask(valid, blk), logits_len=seq, dispatch=dispatch, remat=remat)
+    return forward(weights, cfg, noisy, pos, full_mask(cfg, valid), dispatch=dispatch, remat=remat)
+
+
+def diffusion_terms(
+    weights, cfg: ModelConfig, tokens: Array, valid: Array, loss_mask: Array, t_blocks: Array, key: Array,
+    dispatch: str | None = None, remat: bool = False,
+) -> LossTerms:
+    """Loss sums for one batch [B, L] at noise levels t_blocks [B, n_blocks] (n_blocks = 1 unless block-causal)."""
+    _, blk = positions_and_blocks(cfg, valid)
+    t_pos = jnp.take_along_axis(t_blocks, blk if cfg.is_block_causal else jnp.zeros_like(blk), axis=1)
+    noisy, masked = corrupt(key, tokens, loss_mask & valid, t_pos, cfg.mask_token_id)
+    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat)
+    logits = out.logits
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    m = masked.astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == tokens).astype(jnp.float32) * m
+    return LossTerms(jnp.sum(ce * m / t_pos), jnp.sum(ce * m), correct.sum(), m.sum(), out.moe_stats)
+
+
+def load_balancing_loss(st: MoEStats, n_experts: int) -> Array:
+    """Switch-Transformer auxiliary loss E * sum_e load_e * importance_e, averaged over layers (1.0 when uniform)."""
+    return jnp.mean(n_experts * jnp.sum(st.load * st.importance, axis=-1))
+
+
+def router_z_loss(st: MoEStats) -> Array:
+    return jnp.mean(st.z_loss)
