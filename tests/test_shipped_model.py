@@ -1,0 +1,88 @@
+"""The shipped checkpoints/clover-tiny: loads, stays small, matches its model card on unseen text, generates."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CKPT = ROOT / "checkpoints" / "clover-tiny"
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare-train.txt"
+
+pytestmark = pytest.mark.skipif(not (CKPT / "weights").is_dir(), reason="checkpoints/clover-tiny is not present")
+
+
+def card() -> str:
+    return (CKPT / "MODEL_CARD.md").read_text()
+
+
+def card_protocol() -> dict:
+    m = re.search(r"## Eval protocol.*?```json\n(.*?)```", card(), re.S)
+    assert m, "MODEL_CARD.md has no eval protocol block"
+    return json.loads(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def model():
+    from clover_jax.checkpoint import load_model
+    from clover_jax.tokenizer import load_tokenizer
+
+    cfg, weights = load_model(str(CKPT))
+    return cfg, weights, load_tokenizer(str(CKPT))
+
+
+def test_size_and_files() -> None:
+    total = sum(f.stat().st_size for f in CKPT.rglob("*") if f.is_file())
+    assert total <= 30 * 2**20, f"{total / 2**20:.1f} MiB"
+    for name in ("config.json", "tokenizer.model", "MODEL_CARD.md"):
+        assert (CKPT / name).is_file(), name
+
+
+def test_config_is_the_preset(model) -> None:
+    from clover_jax.config import get_config
+
+    cfg, _, tok = model
+    assert cfg == get_config("clover-tiny")  # `clover info --config clover-tiny` describes what ships
+    assert tok.vocab_size == cfg.vocab_size
+
+
+@pytest.mark.skipif(not DATA.is_file(), reason=f"held-out text {DATA} is not present")
+def test_eval_loss_on_held_out_text_matches_card(model) -> None:
+    from clover_jax.data import TokenStream, read_text, split_text
+    from clover_jax.train import EvalProtocol, evaluate
+
+    cfg, weights, tok = model
+    proto_d = card_protocol()
+    proto = EvalProtocol(t_grid=tuple(proto_d["t_grid"]), seed=proto_d["seed"], micro_batch=proto_d["micro_batch"],
+                         n_seqs=proto_d["n_seqs"])
+    _, held_out = split_text(read_text(str(DATA)), proto_d["holdout"])
+    ids = np.asarray(tok.encode(held_out), np.int32)
+    batch = TokenStream(ids, proto_d["seq_len"], 0).eval_batches(proto.n_seqs)
+    got = evaluate(weights, cfg, batch, proto, dispatch="tiled")["eval_loss"]
+    claimed = float(re.search(r"eval loss \(held out\) \| \*\*([0-9.]+)\*\*", card()).group(1))
+    assert got <= claimed * 1.05, (got, claimed)
+    assert got < 0.75 * np.log(cfg.vocab_size)  # far better than a uniform guess over the vocabulary
+
+
+def test_generates_shakespeare_like_text(model) -> None:
+    from clover_jax.sampler import SamplerConfig, generate
+
+    cfg, weights, tok = model
+    res = generate(weights, cfg, [tok.encode("ROMEO:\n")], SamplerConfig(gen_length=64, block_length=32, steps=64))
+    ids = res.raw[0]
+    assert cfg.mask_token_id not in ids.tolist()
+    text = tok.decode(res.tokens[0])
+    words = re.findall(r"[A-Za-z']+", text)
+    assert len(words) >= 8, text
+    if DATA.is_file():  # most generated words are words Shakespeare used (a random model makes up fragments)
+        from clover_jax.data import read_text, split_text
+
+        train_text, _ = split_text(read_text(str(DATA)), card_protocol()["holdout"])
+        known = set(re.findall(r"[A-Za-z']+", train_text))
+        frac = np.mean([w in known for w in words])
+        assert frac >= 0.8, (frac, text)
+    assert "\n" in text or len(text) > 100, text
