@@ -302,7 +302,7 @@ def test_pickle_needs_allow_pickle(tmp_path, hf_dir):
 
 def test_killed_conversion_leaves_no_destination(tmp_path):
     """SIGKILL once the progress bar shows: no destination, only a temp dir (named *.tmp-*)."""
-    cfg = get_config("test-qwen3-moe", dtype="float32", n_layers=24, n_experts=32, expert_mlp_dim=128)
+    cfg = get_config("test-qwen3-moe", dtype="float32", n_layers=40, n_experts=32, expert_mlp_dim=128)
     write_hf(tmp_path / "src", synthetic_tensors(cfg, "qwen3_moe", small_dtype=np.float32),
              LAYOUTS["qwen3_moe"].config_to_hf(cfg), n_files=1)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -40,7 +40,7 @@ def need(hf: dict[str, Any], field: str, layout: str) -> Any:
 
 def refuse(cond: bool, msg: str) -> None:
     if cond:
-        raise ConversionError(f"unsupported config.json: {msg}")
+        raise ConversionError(f"not supported: {msg}")
 
 
 def rope_theta(hf: dict[str, Any], default: float | None = None) -> float:
