@@ -1,0 +1,155 @@
+"""Sampler figures for the tiny model on this machine: every cache mode x decoding mode.
+
+    python benchmarks/sampler.py                        # checkpoints/clover-tiny if present, else random clover-tiny
+    python benchmarks/sampler.py --model clover-tiny --gen-length 128 --block-length 32 --batch 1
+
+Per mode it prints: forward passes (NFE), tokens committed per pass, tokens/s, compile time, and
+`loop/bare`: the loop's wall time over the time of the same number of bare forward passes of the
+kind the mode runs (whole canvas for `none`; one block against a cache for block-causal `prefix`/
+`dual`; for bidirectional caches a full refresh per block plus block- or suffix-wide passes).
+Then, for the same weights run as a bidirectional model, the agreement (% identical tokens) of the
+approximate `prefix` / `dual` caches with the uncached run. Timings are the best of `--runs` warm
+runs; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint dir or preset (default: checkpoints/clover-tiny, "
+                                                  "else the clover-tiny preset with random weights)")
+    p.add_argument("--gen-length", type=int, default=128)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--entropy-bound", type=float, default=1.0)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--no-bidirectional", action="store_true", help="skip the approximate-cache agreement")
+    return p.parse_args(argv)
+
+
+def best_of(n: int, fn) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def bare_forward_times(cfg, weights, batch: int, p: int, g: int, bl: int, runs: int) -> dict[str, float]:
+    """Seconds per bare forward pass of each window kind the sampler runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax import model as M
+    from clover_jax.layers import attention_mask
+
+    t = p + g
+    tokens = jnp.full((batch, t + g), 7, jnp.int32)
+    valid = jnp.ones((batch, t + g), bool).at[:, t:].set(False)
+    pos = M.default_positions(valid)
+    ids = pos // bl
+
+    def window(lo: int, width: int, cache_len: int | None):
+        def f(w, cache):
+            q = slice(lo, lo + width)
+            kv, ki = (valid[:, :cache_len], ids[:, :cache_len]) if cache_len else (valid[:, q], ids[:, q])
+            mask = attention_mask(valid[:, q], ids[:, q], kv, ki, cfg.is_block_causal)
+            out = M.forward(w, cfg, tokens[:, q], pos[:, q], mask, cache, lo, logits_start=0, logits_len=bl)
+            return out.logits, out.cache
+        cache = None if cache_len is None else M.init_cache(cfg, batch, cache_len)
+        fn = jax.jit(f)
+        jax.block_until_ready(fn(weights, cache))
+        sec, _ = best_of(max(runs, 3), lambda: jax.block_until_ready(fn(weights, cache)))
+        return sec
+
+    return {"full": window(0, t, None), "block": window(p, bl, t), "suffix": window(p, g, t + g),
+            "full_cached": window(0, t, t)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from clover_jax import params
+    from clover_jax.commands.generate import default_model
+    from clover_jax.config import get_config
+    from clover_jax.sampler import SamplerConfig, generate
+
+    model = args.model or default_model()
+    if os.path.isdir(model):
+        from clover_jax.checkpoint import load_model
+        from clover_jax.tokenizer import load_tokenizer
+
+        cfg, weights = load_model(model)
+        tok = load_tokenizer(model)
+        prompt = tok.encode("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+        source = f"checkpoint {model}"
+    else:
+        cfg = get_config(model)
+        weights = params.init(cfg, jax.random.key(0))
+        prompt = list(range(10, 10 + 40))
+        source = f"preset {model} with RANDOM weights (confidences are flat: threshold/entropy modes commit ~1/pass)"
+    g, bl, b = args.gen_length, args.block_length, args.batch
+    prompts = [prompt] * b
+    print(f"model: {source}; {cfg.attention}; batch {b}, prompt {len(prompt)} tokens, gen {g}, block {bl}, "
+          f"backend {jax.default_backend()} x{jax.device_count()}")
+    p = bl * (1 << max((-(-len(prompt) // bl)) - 1, 0).bit_length())  # the sampler's prompt bucket
+    bare = bare_forward_times(cfg, weights, b, p, g, bl, args.runs)
+    print("bare forward ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in bare.items()))
+
+    modes = {
+        "low_confidence": dict(steps=g),
+        f"threshold {args.threshold}": dict(steps=g, threshold=args.threshold),
+        f"entropy_bound {args.entropy_bound}": dict(steps=g, entropy_bound=args.entropy_bound),
+    }
+    header = f"{'cache':7} {'mode':22} {'NFE':>5} {'tok/pass':>8} {'tok/s':>8} {'compile s':>9} {'loop/bare':>9}"
+    print(header)
+    print("-" * len(header))
+    n_blocks = g // bl
+    for cache in ("none", "prefix", "dual"):
+        for name, kw in modes.items():
+            sc = SamplerConfig(gen_length=g, block_length=bl, cache=cache, eos_stop=False, **kw)
+            first = generate(weights, cfg, prompts, sc)
+            _, res = best_of(args.runs, lambda sc=sc: generate(weights, cfg, prompts, sc))
+            st = res.stats
+            if cache == "none":
+                bare_s = st.nfe * bare["full"]
+            elif cfg.is_block_causal:  # prefill + block windows (step 1 of a block is 2 blocks wide)
+                bare_s = bare["full"] * p / (p + g) + (st.nfe - 1) * bare["block"]
+            else:
+                per_step = bare["suffix"] if cache == "prefix" else bare["block"]
+                bare_s = n_blocks * bare["full_cached"] + (st.nfe - n_blocks) * per_step
+            print(f"{cache:7} {name:22} {st.nfe:5d} {st.tokens_per_pass:8.2f} {st.tokens_per_s:8.1f} "
+                  f"{first.stats.compile_s:9.1f} {st.wall_s / bare_s:9.2f}")
+    if cfg.is_block_causal:
+        print("(block-causal: prefix and dual are one program and exact; NFE includes the prompt prefill)")
+
+    if not args.no_bidirectional:
+        bcfg = cfg.replace(attention="bidirectional")
+        print(f"\nthe same weights run bidirectionally ({bcfg.name}, attention=bidirectional): "
+              "agreement with cache=none")
+        for name, kw in modes.items():
+            ref = generate(weights, bcfg, prompts, SamplerConfig(gen_length=g, block_length=bl, eos_stop=False, **kw))
+            cells = []
+            for cache in ("prefix", "dual"):
+                got = generate(weights, bcfg, prompts, SamplerConfig(gen_length=g, block_length=bl, cache=cache,
+                                                                     eos_stop=False, **kw))
+                same = float((got.raw == ref.raw).mean() * 100)
+                cells.append(f"{cache} {same:5.1f}% identical tokens ({got.stats.nfe} passes, "
+                             f"{got.stats.tokens_per_s:.0f} tok/s)")
+            print(f"  {name:22} none {ref.stats.nfe} passes, {ref.stats.tokens_per_s:.0f} tok/s | " + " | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
