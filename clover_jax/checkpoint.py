@@ -168,10 +168,28 @@ def save_model(path: str, cfg: ModelConfig, weights: P.Weights, tokenizer_dir: s
     with atomic_directory(path, force) as tmp:
         _write_common(tmp, cfg, tokenizer_dir, extra_files)
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, WEIGHTS_DIR), flat)
+        ckptr.save(os.path.join(tmp, WEIGHTS_DIR), flat, save_args={n: _save_args(n, a) for n, a in flat.items()})
         ckptr.wait_until_finished()
         ckptr.close()
     return os.path.abspath(path)
+
+
+CHUNK_BYTES = 64 * 1024**2
+
+
+def _save_args(name: str, a: Any) -> Any:
+    """Storage chunks that slice reads can use: at most one layer of a stacked weight, and about
+    CHUNK_BYTES blocks of large unstacked ones (rows of embed, columns of lm_head). Without this a
+    single-device save is one chunk per weight, and reading one layer would decode all of them."""
+    import orbax.checkpoint as ocp
+
+    itemsize = np.dtype(a.dtype).itemsize
+    if "layers." in name and a.ndim > 1:
+        return ocp.SaveArgs(chunk_byte_size=max(int(np.prod(a.shape[1:])) * itemsize, CHUNK_BYTES),
+                            shard_axes=(0,))
+    if a.ndim > 1 and a.size * itemsize > CHUNK_BYTES:
+        return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES)
+    return ocp.SaveArgs()
 
 
 def _check_dir(path: str) -> str:

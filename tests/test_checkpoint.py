@@ -53,6 +53,13 @@ def test_round_trip_single_device(tmp_path, preset):
     assert cfg2 == cfg
     _assert_equal(w, w2)
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    # Storage chunks hold one layer of a stacked weight, so reading a layer decodes only that layer.
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(os.path.join(out, "weights")).item_metadata.tree
+    gate = meta["moe_layers.mlp.gate"]
+    assert gate.storage.chunk_shape == (1, *gate.shape[1:])
 
 
 @pytest.mark.parametrize(("save_n", "load_n"), [(8, 1), (8, 4), (1, 8), (4, 8)])
