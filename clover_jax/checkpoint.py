@@ -380,6 +380,10 @@ class WeightReader:
             self._open[name] = ts.open({"driver": self._driver, "kvstore": kv}, open=True).result()
         return self._open[name]
 
+    def chunk_shape(self, name: str) -> tuple[int, ...]:
+        """The storage chunk: reads aligned to it decode nothing twice."""
+        return tuple(self._store(name).chunk_layout.read_chunk.shape)
+
     def read(self, name: str, index: Any = None) -> np.ndarray:
         """The whole array, or `array[index]` (an int or a tuple of slices) read from disk alone."""
         t = self._store(name)

@@ -286,7 +286,10 @@ def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes:
                     writer.write_rows(g.hf[0], _row_blocks(reader, g.native[0][0], plan[i], bar))
                     i += 1
                     continue
-                outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
+                if g.part and len(g.hf) > len(g.native):  # per-expert keys: the experts a chunk at a time
+                    outs = g.to_hf([_ExpertChunks(reader, *g.native[0])])
+                else:
+                    outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
                 for key, a in zip(g.hf, outs, strict=True):
                     a = a.astype(IO.np_dtype(plan[i].dtype), copy=False)
                     writer.write(key, a)
@@ -310,3 +313,20 @@ def _row_blocks(reader: C.WeightReader, name: str, t: IO.PlannedTensor, bar: Any
         a = a.astype(IO.np_dtype(t.dtype), copy=False)
         bar.update(a.nbytes)
         yield a
+
+
+class _ExpertChunks:
+    """experts[i] of one layer of a stacked expert weight, read one storage chunk of experts at a time."""
+
+    def __init__(self, reader: C.WeightReader, name: str, layer: int) -> None:
+        self.reader, self.name, self.layer = reader, name, layer
+        self.n_experts = reader.leaves[name][0][1]
+        self.step = max(1, reader.chunk_shape(name)[1])
+        self.start, self.block = -1, np.empty(0)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not self.start <= i < self.start + len(self.block):
+            self.start = i - i % self.step
+            self.block = self.reader.read(self.name, (self.layer, slice(self.start, min(self.n_experts,
+                                                                                       self.start + self.step))))
+        return self.block[i - self.start]
