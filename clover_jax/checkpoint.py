@@ -11,9 +11,9 @@ the caller's target shardings: every device reads only its own shard.
 Writes are atomic: everything is written into `<dest>.tmp-<random>` next to the destination and
 renamed into place at the end, so a failed or killed save never leaves a half-written destination.
 
-For conversion, `save_streaming` writes a checkpoint whose stacked weights are produced one slice
-of the leading axis (one layer) at a time, and `WeightReader` reads them back slice by slice, so
-peak memory stays near one layer instead of the whole model.
+For conversion, `save_streaming` writes a checkpoint whose weights are produced one storage chunk
+at a time (`LazyLeaf`: one layer, part of one layer's experts, a block of embedding rows), and
+`WeightReader` reads any slice back alone, so peak memory stays near one chunk, never the model.
 """
 
 from __future__ import annotations
@@ -284,12 +284,6 @@ class LazyLeaf:
         axes = [[slice(o, min(o + c, n)) for o in range(0, n, c)] for n, c in zip(self.shape, self.chunk_shape,
                                                                                    strict=True)]
         yield from itertools.product(*axes)
-
-
-def whole(a: np.ndarray) -> LazyLeaf:
-    """A LazyLeaf holding an array that already exists (one chunk)."""
-    a = np.asarray(a)
-    return LazyLeaf(a.shape, a.dtype, lambda idx: a[idx])
 
 
 def _lazy_handler() -> Any:
