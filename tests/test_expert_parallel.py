@@ -141,8 +141,7 @@ def test_capacity_factor_from_env(monkeypatch):
     assert ep.a2a_capacity(16, 4, 4.0) == 16 and ep.a2a_capacity(16, 4, 1.25) == math.ceil(1.25 * 16 / 4)
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 1), (1, 4, 2)])
-def test_ragged_a2a_offsets_with_reference_collective(tmp_path, devices, shape):
+def test_ragged_a2a_offsets_with_reference_collective(tmp_path, devices, shape=(2, 2, 2)):
     # XLA:CPU has no ragged-all-to-all: check the dropless bookkeeping (sizes, offsets, return trip)
     # against the documented semantics rebuilt from all_gather; the real op runs on TPU/GPU.
     cfg = get_config("test-llada2")
