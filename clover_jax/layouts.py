@@ -122,4 +122,36 @@ def mesh_from_arg(name_or_path: str | None, devices: list | None = None) -> tupl
     if name_or_path is None:
         return None
     layout = load_layout(name_or_path)
+    init_distributed_from_env(layout)
     return layout, make_mesh(layout, devices)
+
+
+def init_distributed_from_env(layout: Layout | None = None) -> bool:
+    """Join a multi-process JAX job when $CLOVER_DISTRIBUTED=1 (call before anything touches a device).
+
+    On TPU pods, SLURM or other clusters JAX finds the coordinator itself; elsewhere set
+    CLOVER_COORDINATOR=host:port, CLOVER_NUM_PROCESSES and CLOVER_PROCESS_ID. CPU layouts use gloo
+    collectives. Every process runs the same command; the mesh then spans all processes' devices.
+    """
+    if os.environ.get("CLOVER_DISTRIBUTED", "") not in ("1", "true", "yes"):
+        return False
+    import jax
+
+    if jax.distributed.is_initialized():
+        return True
+    if layout is not None and layout.platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs: dict[str, Any] = {}
+    if os.environ.get("CLOVER_COORDINATOR"):
+        try:
+            kwargs = dict(coordinator_address=os.environ["CLOVER_COORDINATOR"],
+                          num_processes=int(os.environ["CLOVER_NUM_PROCESSES"]),
+                          process_id=int(os.environ["CLOVER_PROCESS_ID"]))
+        except (KeyError, ValueError) as e:
+            raise ShardingError("CLOVER_COORDINATOR needs integer CLOVER_NUM_PROCESSES and CLOVER_PROCESS_ID "
+                                f"({e})") from e
+    timeout = os.environ.get("CLOVER_DISTRIBUTED_TIMEOUT_S")
+    if timeout:
+        kwargs["initialization_timeout"] = int(timeout)
+    jax.distributed.initialize(**kwargs)
+    return True

@@ -47,11 +47,16 @@ def reference_inputs():
 
 
 def main(process_id: int, port: int, out_dir: str) -> None:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_default_matmul_precision", "highest")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=NUM_PROCESSES,
-                               process_id=process_id, initialization_timeout=60)
-    assert jax.process_count() == NUM_PROCESSES and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+    # The CLI's route into a multi-process job: `--mesh` + these variables make
+    # layouts.mesh_from_arg call jax.distributed.initialize (gloo collectives for CPU layouts).
+    os.environ.update(CLOVER_DISTRIBUTED="1", CLOVER_COORDINATOR=f"127.0.0.1:{port}",
+                      CLOVER_NUM_PROCESSES=str(NUM_PROCESSES), CLOVER_PROCESS_ID=str(process_id),
+                      CLOVER_DISTRIBUTED_TIMEOUT_S="60")
+    # expert axis across both processes: every MoE layer's collectives cross the process boundary
+    layout_path = os.path.join(out_dir, f"mh-8-{process_id}.toml")
+    with open(layout_path, "w") as f:
+        f.write('platform = "cpu"\n[mesh]\nshape = [1, 8, 1]\naxes = ["data", "expert", "tensor"]\n')
 
     import orbax.checkpoint as ocp
     from jax.experimental import multihost_utils
@@ -61,10 +66,9 @@ def main(process_id: int, port: int, out_dir: str) -> None:
     from clover_jax import params as P
     from clover_jax.sampler import generate
 
+    lay, mesh = layouts.mesh_from_arg(layout_path)
+    assert jax.process_count() == NUM_PROCESSES and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
     cfg, arrays, tokens, sc = reference_inputs()
-    # expert axis across both processes: every MoE layer's collectives cross the process boundary
-    lay = layouts.Layout("mh-8", (1, 8, 1), ("data", "expert", "tensor"))
-    mesh = layouts.make_mesh(lay)
     shardings = sharding.weight_shardings(cfg, mesh, lay.rules)
     specs = P.abstract(cfg)
     treedef = jax.tree.structure(specs, is_leaf=P.is_spec)
