@@ -43,6 +43,7 @@ from clover_jax.sampler_scoring import (
     select_commits,
     transfer_count,
 )
+from clover_jax.sharding import active_mesh
 
 Array = jax.Array
 CACHE_MODES = ("none", "prefix", "dual")
@@ -165,6 +166,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     s = t + extra
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
 
+    active = active_mesh()
+    single_device = active is None or active[0].size == 1  # ordered effects need one device; loop steps run in order
     col = jnp.arange(s)
     prompt_len = prompt_len.astype(jnp.int32)
     valid = (col[None] >= p - prompt_len[:, None]) & (col[None] < t)
@@ -224,7 +227,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
             old = jax.lax.dynamic_slice_in_dim(rec, lo - p, bl, axis=1)
             rec = jax.lax.dynamic_update_slice_in_dim(rec, jnp.where(chosen[..., None], logits, old), lo - p, axis=1)
         if spec.progress:
-            jax.debug.callback(_emit, cv[:, p:t], st.block, st.nfe + 1, ordered=True)
+            jax.debug.callback(_emit, cv[:, p:t], st.block, st.nfe + 1, ordered=single_device)
         return st._replace(canvas=cv, logits=rec, key=key, step=st.step + 1, nfe=st.nfe + 1,
                            steps=st.steps + 1, committed=st.committed + jnp.sum(chosen, axis=1, dtype=jnp.int32))
 
