@@ -392,7 +392,7 @@ def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq
             kind = str(getattr(mesh.devices.flat[0], "device_kind", "TPU"))
             method = f"compiled for {kind}, topology {layout.topology}"
     elif layout.platform == "tpu":
-        note = "compile skipped (--no-compile): arithmetic only"
+        note = "compile skipped by --no-compile"
     return Plan(cfg, layout, spec_chip, dispatch, total, per_chip, cache_chip, reports, method, note)
 
 
