@@ -9,6 +9,7 @@ the steps an uninterrupted run computes after k.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -208,6 +209,11 @@ def chunk_batch(b: Batch, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return r(b.tokens), r(b.valid), r(b.loss_mask)
 
 
+@functools.lru_cache(maxsize=8)
+def _eval_program(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None) -> Callable:
+    return jax.jit(make_eval_fn(cfg, proto, dispatch))
+
+
 def evaluate(weights: Any, cfg: ModelConfig, batch: Batch, proto: EvalProtocol = EvalProtocol(),
              dispatch: str | None = "dense") -> dict[str, float]:
     """Deterministic eval figures for `batch` (trimmed to a multiple of proto.micro_batch sequences)."""
@@ -215,8 +221,7 @@ def evaluate(weights: Any, cfg: ModelConfig, batch: Batch, proto: EvalProtocol =
     mb = min(proto.micro_batch, n_all)
     n = n_all // mb * mb
     b = Batch(batch.tokens[:n], batch.valid[:n], batch.loss_mask[:n])
-    fn = jax.jit(make_eval_fn(cfg, proto, dispatch))
-    out = fn(weights, *chunk_batch(b, n // mb))
+    out = _eval_program(cfg, proto, dispatch)(weights, *chunk_batch(b, n // mb))
     return {k: float(v) for k, v in out.items()}
 
 
@@ -303,8 +308,11 @@ def train(
     opt_state = jax.jit(tx.init)(weights)
     state = TrainState(jnp.zeros((), jnp.int32), weights, opt_state, k_train)
     if mesh is not None:
+        # Optimizer moments follow their weights' shardings; scalars (step, counts, key) are replicated.
         rep = NamedSharding(mesh, PartitionSpec())
-        state = state.replace(step=jax.device_put(state.step, rep), key=jax.device_put(state.key, rep))
+        state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+            else jax.device_put(x, rep), state)
 
     mngr = _checkpoint_manager(ckpt_dir, tc) if ckpt_dir else None
     meta_base = {"train_config": dataclasses.asdict(tc), "model_config": cfg.to_dict()}
@@ -378,9 +386,11 @@ def train(
                 if mngr is not None and (step % tc.ckpt_every == 0 or step == last):
                     _save(mngr, state, {**meta_base, "data_position": step})
     except KeyboardInterrupt:
-        if mngr is not None:
-            log(f"interrupted: saving a checkpoint at step {step} before exiting")
-            _save(mngr, state, {**meta_base, "data_position": step})
+        # The interrupt may land after a step ran but before `step` counted it: trust the state's own step.
+        if mngr is not None and not any(x.is_deleted() for x in jax.tree.leaves(state)):
+            at = int(state.step)
+            log(f"interrupted: saving a checkpoint at step {at} before exiting")
+            _save(mngr, state, {**meta_base, "data_position": at})
             mngr.wait_until_finished()
         raise
     finally:

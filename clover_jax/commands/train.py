@@ -130,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from e
     if not 0.0 < args.holdout < 1.0:
         raise UserError(f"--holdout must be in (0, 1), got {args.holdout}")
+    for flag, path in (("--data", args.data), ("--sft", args.sft)):
+        if path is not None and not os.path.isfile(path):
+            raise UserError(f"{flag} {path!r} does not exist")
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise UserError(f"--tokenizer {args.tokenizer!r} is not a directory")
     from clover_jax.moe import DISPATCH

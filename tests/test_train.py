@@ -1,0 +1,176 @@
+"""Training: the loss falls, resume reproduces the uninterrupted run, block-diffusion masks, SFT, MoE losses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax import losses
+from clover_jax import params as P
+from clover_jax.config import get_config
+from clover_jax.data import Batch, PairDataset, TokenStream
+from clover_jax.model import default_positions, forward, full_mask
+from clover_jax.moe import MoEStats
+from clover_jax.train import EvalProtocol, TrainConfig, evaluate, train
+
+CFG = get_config("test-clover")  # block-causal, blocks of 8, vocab 256, mask 255
+
+
+def synthetic_ids(n: int = 20_000, seed: int = 0) -> np.ndarray:
+    """A corpus with learnable structure: runs of counting sequences with random starts and strides."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        start, stride, length = rng.integers(5, 60), rng.integers(1, 4), rng.integers(8, 40)
+        out.extend(5 + (start + stride * np.arange(length)) % 200)
+    return np.asarray(out[:n], np.int32)
+
+
+def test_loss_falls_on_synthetic_corpus() -> None:
+    # A period-12 sequence: any unmasked token (and the position) determines every masked one.
+    ids = (5 + np.arange(6000) % 12).astype(np.int32)
+    tc = TrainConfig(steps=30, batch_size=8, seq_len=16, lr=1e-2, warmup_steps=3, eval_every=30, eval_seqs=8)
+    res = train(CFG, tc, TokenStream(ids[:5000], 16, 0), TokenStream(ids[5000:], 16, 0), progress=False)
+    first, last = np.mean(res.losses[:3]), np.mean(res.losses[-3:])
+    assert last < 0.5 * first, (first, last)
+    assert res.evals and res.evals[-1]["eval_loss"] < 0.5 * np.log(CFG.vocab_size), res.evals
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
+    ids = synthetic_ids(4000)
+    data = TokenStream(ids, 32, 1)
+    tc = TrainConfig(steps=6, batch_size=4, grad_accum=2, seq_len=32, lr=3e-3, warmup_steps=2, ckpt_every=100)
+    full = train(CFG, tc, data, progress=False)
+    first = train(CFG, tc, data, ckpt_dir=str(tmp_path / "run"), stop_at=3, progress=False)
+    assert int(first.state.step) == 3
+    rest = train(CFG, tc, data, ckpt_dir=str(tmp_path / "run"), progress=False)
+    assert rest.first_step == 3 and int(rest.state.step) == 6
+    resumed = first.losses + rest.losses
+    np.testing.assert_allclose(resumed, full.losses, rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(full.state.weights), jax.tree.leaves(rest.state.weights), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_block_diffusion_mask_quadrants() -> None:
+    # Two blocks of 2 tokens, last token of the second row is padding.
+    valid = jnp.array([[True] * 4, [True, True, True, False]])
+    blk = default_positions(valid) // 2
+    m = np.asarray(losses.block_diffusion_mask(valid, blk))
+    assert m.shape == (2, 8, 8)
+    nn, nc, cn, cc = m[0, :4, :4], m[0, :4, 4:], m[0, 4:, :4], m[0, 4:, 4:]
+    same = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]], bool)
+    before = np.array([[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]], bool)
+    upto = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], bool)
+    np.testing.assert_array_equal(nn, same)  # noisy block i sees only noisy block i
+    np.testing.assert_array_equal(nc, before)  # ... and the clean blocks before it
+    np.testing.assert_array_equal(cn, np.zeros((4, 4), bool))  # clean never sees noisy
+    np.testing.assert_array_equal(cc, upto)  # clean block j sees clean blocks <= j
+    assert not m[1, :, 3].any() and not m[1, :, 7].any()  # padding keys hidden in both halves
+
+
+def test_block_diffusion_logits_equal_inference_context() -> None:
+    """Noisy block i in the 2L pass gets exactly the logits of a pass over [clean blocks < i, noisy block i]."""
+    w = P.init(CFG, jax.random.PRNGKey(0))
+    bs, nb, b = CFG.block_size, 3, 2
+    clean = jax.random.randint(jax.random.PRNGKey(1), (b, bs * nb), 5, 250)
+    noisy, _ = losses.corrupt(jax.random.PRNGKey(2), clean, jnp.ones(clean.shape, bool), jnp.full(clean.shape, 0.5),
+                              CFG.mask_token_id)
+    valid = jnp.ones(clean.shape, bool)
+    got = losses.denoising_forward(w, CFG, noisy, clean, valid, dispatch="dense").logits
+    for i in range(nb):
+        ctx = jnp.concatenate([clean[:, : i * bs], noisy[:, i * bs: (i + 1) * bs]], axis=1)
+        v = jnp.ones(ctx.shape, bool)
+        ref = forward(w, CFG, ctx, default_positions(v), full_mask(CFG, v), dispatch="dense").logits[:, i * bs:]
+        np.testing.assert_allclose(np.asarray(got[:, i * bs: (i + 1) * bs]), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_sft_masks_only_the_response(tmp_path) -> None:
+    path = tmp_path / "sft.jsonl"
+    path.write_text('{"prompt": "ab", "response": "cde"}\n\n{"prompt": "x", "response": "y"}\n')
+    enc = lambda s: [ord(c) for c in s]
+    ds = PairDataset(str(path), enc, seq_len=8, eos_id=1, pad_id=0, seed=0)
+    np.testing.assert_array_equal(ds.tokens[0], [97, 98, 99, 100, 101, 1, 0, 0])
+    np.testing.assert_array_equal(ds.loss_mask[0], [0, 0, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(ds.valid[1], [1, 1, 1, 0, 0, 0, 0, 0])
+    tok, lm = jnp.asarray(ds.tokens), jnp.asarray(ds.loss_mask)
+    noisy, masked = losses.corrupt(jax.random.PRNGKey(0), tok, lm, jnp.ones(tok.shape), 255)
+    np.testing.assert_array_equal(np.asarray(masked), ds.loss_mask)  # t=1: every response token, nothing else
+    assert (np.asarray(noisy)[~ds.loss_mask] == ds.tokens[~ds.loss_mask]).all()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ab"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with 'prompt' and 'response'"):
+        PairDataset(str(bad), enc, 8, 1, 0, 0)
+
+
+def test_sft_training_runs_and_scores_only_responses(tmp_path) -> None:
+    path = tmp_path / "sft.jsonl"
+    rows = [f'{{"prompt": "{"q" * (i % 5 + 1)}", "response": "{"a" * (i % 7 + 1)}"}}' for i in range(40)]
+    path.write_text("\n".join(rows) + "\n")
+    enc = lambda s: [ord(c) for c in s]
+    tr, ev = PairDataset(str(path), enc, 16, 1, 0, 0).split(0.1)
+    tc = TrainConfig(steps=12, batch_size=8, seq_len=16, lr=5e-3, warmup_steps=2)
+    res = train(CFG, tc, tr, ev, progress=False)
+    assert np.isfinite(res.losses).all() and np.mean(res.losses[-3:]) < np.mean(res.losses[:3])
+
+
+def test_moe_aux_losses() -> None:
+    e = 4
+    uniform = MoEStats(load=jnp.full((2, e), 0.25), importance=jnp.full((2, e), 0.25), z_loss=jnp.ones(2),
+                       dropped=jnp.zeros(2))
+    skewed = uniform._replace(load=jnp.array([[1.0, 0, 0, 0]] * 2), importance=jnp.array([[0.7, 0.1, 0.1, 0.1]] * 2))
+    assert float(losses.load_balancing_loss(uniform, e)) == pytest.approx(1.0)
+    assert float(losses.load_balancing_loss(skewed, e)) == pytest.approx(2.8)
+    assert float(losses.router_z_loss(uniform)) == pytest.approx(1.0)
+
+
+def test_noise_levels_are_stratified() -> None:
+    t = np.asarray(losses.sample_noise_levels(jax.random.PRNGKey(0), (4, 8), 1e-3))
+    assert t.shape == (4, 8) and t.min() >= 1e-3 and t.max() < 1.0
+    counts = np.histogram(t, bins=8, range=(0, 1))[0]
+    assert (counts >= 3).all() and (counts <= 5).all()  # 32 draws, 4 per eighth up to the offset
+
+
+def test_sharded_training_matches_single_device(devices) -> None:
+    from clover_jax.layouts import load_layout, make_mesh
+
+    layout = load_layout("cpu-8")
+    mesh = make_mesh(layout)
+    ids = synthetic_ids(4000)
+    tc = TrainConfig(steps=2, batch_size=4, seq_len=16, lr=3e-3, warmup_steps=1)
+    one = train(CFG, tc, TokenStream(ids, 16, 0), progress=False)
+    sharded = train(CFG, tc, TokenStream(ids, 16, 0), mesh=mesh, rules=layout.rules, progress=False)
+    np.testing.assert_allclose(sharded.losses, one.losses, rtol=1e-4, atol=1e-5)
+    gate = sharded.state.weights.moe_layers.mlp.gate
+    assert gate.sharding.spec[1] == "expert"  # experts stayed sharded through the optimizer
+
+
+def test_eval_is_deterministic() -> None:
+    w = P.init(CFG, jax.random.PRNGKey(3))
+    ids = synthetic_ids(2000)
+    batch = TokenStream(ids, 32, 0).eval_batches(8)
+    proto = EvalProtocol(micro_batch=4, n_seqs=8)
+    a, b = evaluate(w, CFG, batch, proto), evaluate(w, CFG, batch, proto)
+    assert a == b and a["eval_loss"] > 0
+
+
+def test_cli_rejects_bad_input_before_compiling(tmp_path, capsys) -> None:
+    from clover_jax.cli import main
+
+    assert main(["train", "--config", "test-clover", "--data", str(tmp_path / "missing.txt"),
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "c.txt").write_text("some text " * 100)
+    text = str(tmp_path / "c.txt")
+    assert main(["train", "--config", "test-clover", "--data", text, "--out", str(tmp_path / "r")]) == 2
+    assert "the tokenizer has 260 ids but config 'test-clover' has vocab_size 256" in capsys.readouterr().err
+    assert main(["train", "--config", "test-clover", "--data", "x", "--out", "o", "--batch-size", "6",
+                 "--grad-accum", "4"]) == 2
+    assert "divisible by grad_accum" in capsys.readouterr().err
+
+
+def test_batches_are_a_function_of_the_index() -> None:
+    ds = TokenStream(synthetic_ids(1000), 16, 7)
+    a, b = ds.batch(5, 3), ds.batch(5, 3)
+    assert isinstance(a, Batch) and (a.tokens == b.tokens).all() and not (ds.batch(6, 3).tokens == a.tokens).all()
