@@ -256,9 +256,15 @@ def generate(
     forward_fn: replaces the model (tests inject scripted logits); default `ModelForward(cfg)`.
     progress(tokens [B, G], block, nfe): called after every step from inside the compiled loop.
     batch / prompt_len: force the buckets (default: next power of two rows, block_length * 2^k columns).
+    dispatch: the MoE dispatch; default the config's, or expert_parallel.choose_dispatch(mesh) under a mesh.
     """
     validate(cfg, sc, prompts)
     if forward_fn is None:
+        active = sharding.active_mesh()
+        if dispatch is None and active is not None:  # under a mesh: the expert-parallel strategy for it
+            from clover_jax.expert_parallel import choose_dispatch
+
+            dispatch = choose_dispatch(active[0])
         forward_fn = ModelForward(cfg, dispatch)
     tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len)
     if tokens_in.shape[0] < len(prompts) or (lengths > tokens_in.shape[1]).any():

@@ -257,10 +257,6 @@ def run(args: argparse.Namespace) -> int:
     from clover_jax.sharding import use_mesh
 
     ctx = use_mesh(*mesh_ctx) if mesh_ctx else contextlib.nullcontext()
-    if mesh_ctx:
-        from clover_jax.expert_parallel import choose_dispatch
-
-        args.dispatch = choose_dispatch(mesh_ctx[0])
     with ctx:
         if args.input:
             return _run_batch(args, cfg, weights, tok, sc, encoded)
@@ -271,7 +267,7 @@ def _run_one(args: argparse.Namespace, cfg: Any, weights: Any, tok: Any, sc: Any
     from clover_jax.sampler import generate
 
     show = make_show(tok, cfg, text) if args.show else None
-    res = generate(weights, cfg, [ids], sc, progress=show, dispatch=getattr(args, "dispatch", None))
+    res = generate(weights, cfg, [ids], sc, progress=show)
     print(tok.decode(res.tokens[0]))
     print(res.stats.line(), file=sys.stderr)
     return 0
@@ -289,8 +285,7 @@ def _run_batch(args: argparse.Namespace, cfg: Any, weights: Any, tok: Any, sc: A
         for start in range(0, len(encoded), args.batch_size):
             chunk = encoded[start:start + args.batch_size]
             show = make_show(tok, cfg, chunk[0][1]) if args.show else None
-            res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket,
-                           dispatch=getattr(args, "dispatch", None))
+            res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket)
             st = res.stats
             rows = [{"id": rid, "prompt": text, "text": tok.decode(out), "tokens": len(out), "finished": fin,
                      "stats": {"nfe": st.nfe, "tokens_per_pass": round(st.tokens_per_pass, 4),
