@@ -76,6 +76,27 @@ def test_batch_job_resumes_after_a_kill(tmp_path, monkeypatch, capsys):
     assert len(_rows(out)) == 5
 
 
+def test_checkpoint_directory_model(tmp_path, capsys):
+    """--model DIR loads config + weights with checkpoint.load_model (same weights as the preset run)."""
+    import jax
+
+    from clover_jax import checkpoint, params
+    from clover_jax.config import get_config
+
+    cfg = get_config("test-clover")
+    ckpt = checkpoint.save_model(str(tmp_path / "ckpt"), cfg, params.init(cfg, jax.random.key(0)))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ask 1"}\n{"prompt": "ask 22"}\n')
+    runs = []
+    for model in (ckpt, "test-clover"):
+        out = tmp_path / f"{len(runs)}.jsonl"
+        args = ["generate", "--input", str(prompts), "--output", str(out), *FLAGS, "--batch-size", "2"]
+        assert cli.main([*args, "--model", model]) == 0
+        runs.append([r["text"] for r in _rows(out)])
+        assert ("RANDOM weights" in capsys.readouterr().err) == (model == "test-clover")
+    assert runs[0] == runs[1] and [r["id"] for r in _rows(tmp_path / "0.jsonl")] == [0, 1]
+
+
 def test_refuses_to_append_to_a_file_that_is_not_its_output(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
