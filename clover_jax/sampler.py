@@ -42,7 +42,7 @@ from clover_jax.sampler_program import (
 from clover_jax.sampler_scoring import STRATEGIES
 
 __all__ = ["CACHE_MODES", "STRATEGIES", "GenerateResult", "SamplerConfig", "SamplerError", "SamplerStats",
-           "check_prompts", "check_settings", "compile_count", "generate", "prepare_batch",
+           "check_prompts", "check_settings", "compile_count", "generate", "prepare_batch", "resolve_cache",
            "validate"]
 
 
@@ -63,7 +63,7 @@ class SamplerConfig:
     top_k: int = 0  # 0 = off
     cfg_scale: float = 0.0  # classifier-free guidance; 0 = off
     seed: int = 0
-    cache: str = "none"  # none | prefix | dual
+    cache: str = "auto"  # auto | none | prefix | dual (auto: prefix for block-causal models, else none: exact)
     eos_stop: bool = True  # a row stops at its first EOS once nothing before it is masked
 
     @property
@@ -137,7 +137,8 @@ def check_settings(sc: SamplerConfig) -> None:
          f"steps ({sc.total_steps}) must be at least the number of blocks "
          f"(gen_length / block_length = {sc.n_blocks})")
     need(sc.remasking in STRATEGIES, f"unknown remasking strategy {sc.remasking!r}; choose one of {STRATEGIES}")
-    need(sc.cache in CACHE_MODES, f"unknown cache mode {sc.cache!r}; choose one of {CACHE_MODES}")
+    need(sc.cache in ("auto", *CACHE_MODES),
+         f"unknown cache mode {sc.cache!r}; choose one of {('auto', *CACHE_MODES)}")
     need(sc.threshold == 0 or 0 < sc.threshold <= 1, f"threshold must be in (0, 1] (or 0 = off), got {sc.threshold}")
     need(sc.entropy_bound >= 0 and math.isfinite(sc.entropy_bound),
          f"entropy_bound must be >= 0 (0 = off), got {sc.entropy_bound}")
@@ -191,6 +192,9 @@ def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, pad_id: i
     """Left-pad prompts into [B, P] int32 plus lengths [B]; filler rows have length 0."""
     b = batch_bucket(len(prompts)) if batch is None else batch
     p = prompt_bucket(max(len(x) for x in prompts), block_length) if prompt_len is None else prompt_len
+    if b < len(prompts) or p < max(len(x) for x in prompts):
+        raise SamplerError(f"buckets of {b} rows x {p} columns cannot hold {len(prompts)} prompts of up to "
+                           f"{max(len(x) for x in prompts)} tokens")
     out = np.full((b, p), pad_id, np.int32)
     lens = np.zeros((b,), np.int32)
     for i, pr in enumerate(prompts):
@@ -232,6 +236,14 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, pro
     return exe, time.perf_counter() - t0
 
 
+def resolve_cache(cfg: ModelConfig, cache: str) -> str:
+    """`auto` -> the fastest exact mode: prefix for block-causal models, none for bidirectional ones.
+    Block-causal `dual` is the `prefix` program (later blocks are invisible anyway)."""
+    if cache == "auto":
+        return "prefix" if cfg.is_block_causal else "none"
+    return "prefix" if (cache == "dual" and cfg.is_block_causal) else cache
+
+
 def knobs_for(sc: SamplerConfig) -> Knobs:
     return make_knobs(steps=sc.total_steps, temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k,
                       threshold=sc.threshold, entropy_bound=sc.entropy_bound, cfg_scale=sc.cfg_scale,
@@ -267,10 +279,9 @@ def generate(
             dispatch = choose_dispatch(active[0])
         forward_fn = ModelForward(cfg, dispatch)
     tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len)
-    if tokens_in.shape[0] < len(prompts) or (lengths > tokens_in.shape[1]).any():
-        raise SamplerError(f"forced buckets batch={batch} prompt_len={prompt_len} are too small for the prompts")
-    # Block-causal models: dual == prefix (later blocks are invisible), so they share one program.
-    cache = "prefix" if (sc.cache == "dual" and cfg.is_block_causal) else sc.cache
+    cache = resolve_cache(cfg, sc.cache)
+    if cache != "none" and not hasattr(forward_fn, "init_cache"):
+        raise SamplerError(f"cache={cache!r} needs a forward function with an init_cache(rows, length) method")
     spec = ProgramSpec(cfg, tokens_in.shape[0], tokens_in.shape[1], sc.gen_length, sc.block_length, cache,
                        guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits)
     knobs = knobs_for(sc)

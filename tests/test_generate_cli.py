@@ -21,7 +21,8 @@ def test_one_prompt_with_show(capsys):
     assert "RANDOM weights" in err
     frames = [ln for ln in err.splitlines() if ln.startswith("[block ")]
     assert len(frames) == 4 and gen_cmd.PLACEHOLDER in frames[0]  # 4 steps, masks shown while filling
-    assert "4 forward passes, 4.00 tokens/pass" in err and "tokens/s" in err and "compile" in err
+    # the default cache for a block-causal model is the exact prefix cache: 4 steps + the prompt prefill
+    assert "5 forward passes, 3.20 tokens/pass" in err and "tokens/s" in err and "compile" in err
     assert out.endswith("\n")
 
 

@@ -67,7 +67,7 @@ def commit_steps(frames: list[np.ndarray], row: int) -> list[list[int]]:
 
 
 def sc(**kw) -> SamplerConfig:
-    return SamplerConfig(**{"gen_length": G, "block_length": BL, "steps": G, **kw})
+    return SamplerConfig(**{"gen_length": G, "block_length": BL, "steps": G, "cache": "none", **kw})
 
 
 def _probs(x):
@@ -236,6 +236,7 @@ def test_changing_dynamic_settings_never_recompiles(random_table):
     (dict(), [[]], "empty"),
     (dict(remasking="lowest"), PROMPTS, "unknown remasking"),
     (dict(cache="full"), PROMPTS, "unknown cache"),
+    (dict(cache="prefix"), PROMPTS, "init_cache"),  # a scripted model has no cache
     (dict(threshold=1.5), PROMPTS, "threshold"),
     (dict(threshold=-0.1), PROMPTS, "threshold"),
     (dict(temperature=-1.0), PROMPTS, "temperature"),

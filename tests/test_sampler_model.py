@@ -11,7 +11,7 @@ from clover_jax.sampler import SamplerConfig, compile_count, generate
 
 # Peaked logits (larger init) so that greedy choices are not decided by float rounding.
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
-SC = SamplerConfig(gen_length=24, block_length=8, steps=24, eos_stop=False)
+SC = SamplerConfig(gen_length=24, block_length=8, steps=24, eos_stop=False, cache="none")
 
 
 def numpy_init(cfg, seed):

@@ -42,7 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance scale (0 = off)")
-    p.add_argument("--cache", default="none", help="none | prefix | dual (exact for block-causal models)")
+    p.add_argument("--cache", default="auto",
+                   help="auto | none | prefix | dual. auto: prefix for block-causal models (exact), none otherwise; "
+                        "prefix/dual are approximations for bidirectional models")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating after EOS")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
