@@ -9,9 +9,12 @@ arithmetic of one step lives in `sampler_scoring`.
     res.tokens[0], res.stats.nfe
 
 Static (one compiled program each): model config, batch bucket, prompt bucket, gen_length,
-block_length, cache mode, guidance on/off, progress callback on/off. Dynamic (never a recompile):
-steps, remasking, threshold, entropy_bound, temperature, top_p, top_k, cfg_scale (> 0), seed,
-eos_stop.
+block_length, cache mode, guidance on/off, progress callback on/off, record_logits. Dynamic (never a
+recompile): steps, remasking, threshold, entropy_bound, temperature, top_p, top_k, cfg_scale (> 0),
+seed, eos_stop. Compiled programs are kept per process (the 32 most recently used).
+
+Cache `auto` (the default) is the fastest exact mode: `prefix` for block-causal models, `none` for
+bidirectional ones, where `prefix` / `dual` are approximations (see sampler_program).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -205,7 +209,8 @@ def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, pad_id: i
 
 # ---- compiled programs -----------------------------------------------------------------------
 
-_PROGRAMS: dict[Any, Any] = {}
+_PROGRAMS: OrderedDict[Any, Any] = OrderedDict()  # least recently used first
+_MAX_PROGRAMS = 32
 _COMPILES = [0]
 
 
@@ -227,11 +232,14 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, pro
     """The AOT-compiled program for these static settings, and the seconds spent compiling it now."""
     key = (spec, forward_fn, _mesh_key())
     if key in _PROGRAMS:
+        _PROGRAMS.move_to_end(key)
         return _PROGRAMS[key], 0.0
     t0 = time.perf_counter()
     fn = jax.jit(run_program, static_argnums=(0, 1))
     exe = fn.lower(spec, forward_fn, weights, prompt, lengths, knobs).compile()
     _PROGRAMS[key] = exe
+    while len(_PROGRAMS) > _MAX_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
     _COMPILES[0] += 1
     return exe, time.perf_counter() - t0
 
