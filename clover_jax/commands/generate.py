@@ -233,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--input needs --output out.jsonl")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise UserError(f"--output {args.output!r}: its directory does not exist")
     from clover_jax.sampler import SamplerError, check_prompts, check_settings
 
     sc = sampler_config(args)
