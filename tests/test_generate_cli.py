@@ -1,6 +1,10 @@
 """`clover generate` end to end on a tiny preset: one prompt, a jsonl batch job, resuming after a kill."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -75,6 +79,32 @@ def test_batch_job_resumes_after_a_kill(tmp_path, monkeypatch, capsys):
     # a finished job run again does nothing
     assert cli.main([*args, "--output", str(out)]) == 0
     assert len(_rows(out)) == 5
+
+
+def test_batch_job_resumes_after_sigkill(tmp_path, capsys):
+    """A real kill: SIGKILL the job process once it has written its first row, then run it again."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(12)))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--input", str(prompts), "--output", str(out), "--model", "test-clover",
+            "--gen-length", "64", "--block-length", "8", "--batch-size", "1", "--cache", "none"]
+    proc = subprocess.Popen([sys.executable, "-m", "clover_jax.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if out.exists() and out.read_bytes().count(b"\n") >= 1:
+                break
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    written = out.read_bytes().count(b"\n")
+    assert written >= 1
+    assert cli.main(args) == 0
+    assert [r["id"] for r in _rows(out)] == list(range(12))  # nothing lost, nothing twice
+    if written < 12:
+        assert f"{written} rows already" in capsys.readouterr().err
 
 
 def test_checkpoint_directory_model(tmp_path, capsys):
