@@ -42,8 +42,8 @@ def n_blocks(cfg: ModelConfig, seq_len: int) -> int:
     return -(-seq_len // cfg.block_size) if cfg.is_block_causal else 1
 
 
-def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float) -> Array:
-    """t in [eps, 1): stratified over all entries (one uniform offset, evenly spaced, shuffled), which
+def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float, t_max: float = 1.0) -> Array:
+    """t in [eps, t_max): stratified over all entries (one uniform offset, evenly spaced, shuffled), which
     lowers the variance of the batch loss at no cost (MDLM's low-discrepancy sampler)."""
     n = 1
     for s in shape:
@@ -51,7 +51,7 @@ def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float) -> Array
     k_off, k_perm = jax.random.split(key)
     u = jnp.mod(jax.random.uniform(k_off, ()) + jnp.arange(n, dtype=jnp.float32) / n, 1.0)
     u = jax.random.permutation(k_perm, u)
-    return (eps + (1.0 - eps) * u).reshape(shape)
+    return (eps + (t_max - eps) * u).reshape(shape)
 
 
 def positions_and_blocks(cfg: ModelConfig, valid: Array) -> tuple[Array, Array]:

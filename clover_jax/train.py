@@ -47,7 +47,8 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     clip_norm: float = 1.0
-    noise_eps: float = 1e-3
+    noise_eps: float = 1e-3  # t ~ U(noise_eps, noise_max)
+    noise_max: float = 1.0  # < 1 with a larger noise_eps: BD3-LM's clipped schedule (lower-variance gradients)
     lb_coef: float = 0.01  # Switch load-balancing loss
     z_coef: float = 1e-3  # router z-loss
     bias_update_rate: float = 1e-3  # aux-loss-free balancing for routers with a selection bias
@@ -66,8 +67,8 @@ class TrainConfig:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size {self.batch_size} must be divisible by grad_accum {self.grad_accum}")
-        if not 0 < self.noise_eps < 1:
-            raise ValueError(f"noise_eps must be in (0, 1), got {self.noise_eps}")
+        if not 0 < self.noise_eps < self.noise_max <= 1:
+            raise ValueError(f"need 0 < noise_eps < noise_max <= 1, got {self.noise_eps}, {self.noise_max}")
 
     @property
     def micro_batch(self) -> int:
@@ -126,7 +127,7 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
     def micro_loss(weights: Any, tok: Array, val: Array, lm: Array, key: Array, n_scored: Array):
         nb = losses.n_blocks(cfg, tok.shape[1])
         k_t, k_m = jax.random.split(key)
-        t = losses.sample_noise_levels(k_t, (tok.shape[0], nb), tc.noise_eps)
+        t = losses.sample_noise_levels(k_t, (tok.shape[0], nb), tc.noise_eps, tc.noise_max)
         terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat)
         diff = terms.weighted_ce / n_scored
         lb = z = jnp.zeros((), jnp.float32)
@@ -234,8 +235,10 @@ class TrainResult:
     losses: list[float]  # per step, this run only (index = step - first step)
     first_step: int
     evals: list[dict]
-    tokens_seen: int
-    wall_s: float
+    tokens_seen: int  # this call
+    wall_s: float  # this call
+    total_tokens: int = 0  # every call since step 0 (carried in the checkpoints)
+    total_wall_s: float = 0.0
 
 
 def _checkpoint_manager(directory: str, tc: TrainConfig):
@@ -316,6 +319,7 @@ def train(
 
     mngr = _checkpoint_manager(ckpt_dir, tc) if ckpt_dir else None
     meta_base = {"train_config": dataclasses.asdict(tc), "model_config": cfg.to_dict()}
+    prev_tokens, prev_wall = 0, 0.0
     if mngr is not None:
         restored = _restore(mngr, state)
         if restored is not None:
@@ -324,6 +328,7 @@ def train(
                 raise ValueError(f"checkpoint in {ckpt_dir} was written for a different model config")
             if meta.get("data_position") != int(state.step):
                 raise ValueError(f"checkpoint data position {meta.get('data_position')} != step {int(state.step)}")
+            prev_tokens, prev_wall = int(meta.get("tokens_seen", 0)), float(meta.get("wall_s", 0.0))
             log(f"resumed from {ckpt_dir} at step {int(state.step)}")
 
     state_sh = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
@@ -347,6 +352,9 @@ def train(
     tokens_seen = 0
     t0 = time.perf_counter()
     ctx = use_mesh(mesh, rules) if mesh is not None else _null()
+
+    def totals() -> dict:
+        return {"tokens_seen": prev_tokens + tokens_seen, "wall_s": prev_wall + time.perf_counter() - t0}
 
     def run_eval(step: int) -> None:
         if eval_fn is None:
@@ -384,13 +392,13 @@ def train(
                 if step % tc.eval_every == 0 or step == tc.steps:
                     run_eval(step)
                 if mngr is not None and (step % tc.ckpt_every == 0 or step == last):
-                    _save(mngr, state, {**meta_base, "data_position": step})
+                    _save(mngr, state, {**meta_base, **totals(), "data_position": step})
     except KeyboardInterrupt:
         # The interrupt may land after a step ran but before `step` counted it: trust the state's own step.
         if mngr is not None and not any(x.is_deleted() for x in jax.tree.leaves(state)):
             at = int(state.step)
             log(f"interrupted: saving a checkpoint at step {at} before exiting")
-            _save(mngr, state, {**meta_base, "data_position": at})
+            _save(mngr, state, {**meta_base, **totals(), "data_position": at})
             mngr.wait_until_finished()
         raise
     finally:
@@ -399,7 +407,8 @@ def train(
     if mngr is not None:
         mngr.wait_until_finished()
         mngr.close()
-    return TrainResult(state, hist, first, evals, tokens_seen, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    return TrainResult(state, hist, first, evals, tokens_seen, wall, prev_tokens + tokens_seen, prev_wall + wall)
 
 
 class _null:

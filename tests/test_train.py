@@ -47,6 +47,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
     assert int(first.state.step) == 3
     rest = train(CFG, tc, data, ckpt_dir=str(tmp_path / "run"), progress=False)
     assert rest.first_step == 3 and int(rest.state.step) == 6
+    assert rest.total_tokens == full.total_tokens == 6 * 4 * 32  # data position and counters carried over
     resumed = first.losses + rest.losses
     np.testing.assert_allclose(resumed, full.losses, rtol=0, atol=1e-6)
     for a, b in zip(jax.tree.leaves(full.state.weights), jax.tree.leaves(rest.state.weights), strict=True):

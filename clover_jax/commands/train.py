@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lb-coef", type=float, default=0.01, help="MoE load-balancing loss weight")
     p.add_argument("--z-coef", type=float, default=1e-3, help="router z-loss weight")
+    p.add_argument("--noise-range", type=float, nargs=2, default=(1e-3, 1.0), metavar=("LO", "HI"),
+                   help="noise levels t ~ U(LO, HI); e.g. 0.3 0.8 clips the schedule (BD3-LM) for lower variance")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dispatch", default=None,
                    help="MoE dispatch for training (differentiable): default tiled on one device, dense on a mesh")
@@ -40,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--mesh", default=None, help="mesh layout (sharding/NAME.toml or a path); default one device")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop (checkpoint, eval, export) after this step; the schedule still spans --steps")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -70,9 +74,10 @@ def _card(cfg, tc, args, res, final_eval: dict, proto, n_train_tokens: int) -> s
         f"| vocabulary | {cfg.vocab_size} (SentencePiece; pad 0, bos 1, eos 2, mask {cfg.mask_token_id}) |",
         f"| data | `{args.data or args.sft}` minus its last {args.holdout:.0%} (held out for eval); "
         f"{n_train_tokens:,} training tokens |",
-        f"| steps | {tc.steps} x {tc.batch_size} sequences x {tc.seq_len} tokens |",
-        f"| tokens seen | {res.tokens_seen:,} (this run) |",
-        f"| wall time | {res.wall_s / 60:.1f} min of training on the machine that ran the command |",
+        f"| steps | {int(res.state.step)} (cosine schedule over {tc.steps}) x {tc.batch_size} sequences x "
+        f"{tc.seq_len} tokens |",
+        f"| tokens seen | {res.total_tokens:,} |",
+        f"| wall time | {res.total_wall_s / 60:.1f} min of training incl. periodic evals (2 shared CPU cores) |",
         f"| eval loss (held out) | **{final_eval['eval_loss']:.4f}** nats/token (diffusion bound; see protocol) |",
         f"| eval masked CE / accuracy | {final_eval['eval_masked_ce']:.4f} / {final_eval['eval_masked_acc']:.3f} |",
         "",
@@ -122,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         tc = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
             lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip_norm=args.clip,
-            lb_coef=args.lb_coef, z_coef=args.z_coef, seed=args.seed,
+            lb_coef=args.lb_coef, z_coef=args.z_coef, seed=args.seed, noise_eps=args.noise_range[0],
+            noise_max=args.noise_range[1],
             dispatch=args.dispatch or ("dense" if args.mesh else "tiled"), remat=args.remat,
             eval_every=args.eval_every, eval_seqs=args.eval_seqs, ckpt_every=args.ckpt_every,
             log_every=args.log_every)
@@ -182,12 +188,12 @@ def run(args: argparse.Namespace) -> int:
         if icfg.to_dict() != cfg.to_dict():
             raise UserError(f"--init-from {args.init_from} holds config {icfg.name!r}, which differs from --config")
 
-    res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, rules=rules,
+    res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, rules=rules, stop_at=args.stop_at,
                 progress=not args.no_progress, init_weights=init_weights)
     proto = EvalProtocol()
     final = evaluate(res.state.weights, cfg, eval_data.eval_batches(proto.n_seqs), proto, tc.dispatch)
-    print(json.dumps({"step": int(res.state.step), **final, "tokens_seen": res.tokens_seen,
-                      "wall_s": round(res.wall_s, 1)}))
+    print(json.dumps({"step": int(res.state.step), **final, "tokens_seen": res.total_tokens,
+                      "wall_s": round(res.total_wall_s, 1)}))
     if args.export:
         from clover_jax.checkpoint import save_model
 
