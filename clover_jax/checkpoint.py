@@ -45,33 +45,64 @@ class CheckpointError(ValueError):
 # ---- atomic directories ---------------------------------------------------------------------------
 
 
+def _sync(tag: str) -> None:
+    """Barrier across processes (no-op in a single-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(tag)
+
+
+def _shared_token() -> str:
+    """A random token that every process agrees on (process 0's draw)."""
+    token = uuid.uuid4().int & 0x7FFFFFFF
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+    return f"{token:08x}"
+
+
+def is_primary() -> bool:
+    return jax.process_index() == 0
+
+
 @contextlib.contextmanager
 def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
     """Yield a fresh temp dir next to `dest`; on success rename it to `dest`, on error delete it.
 
     An existing `dest` is refused unless `force`; then it is swapped out only after the new
-    directory is complete, so the old one survives any failure before that point.
+    directory is complete, so the old one survives any failure before that point. In a
+    multi-process run every process gets the same temp dir (each writes its own shards into it);
+    process 0 creates and renames it, with barriers around both.
     """
     dest = os.path.abspath(dest)
     if os.path.lexists(dest) and not force:
         raise CheckpointError(f"destination {dest} already exists (use --force / force=True to replace it)")
     parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
-    os.mkdir(tmp)
+    token = _shared_token()
+    tmp = f"{dest}.tmp-{token}"
+    if is_primary():
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    _sync(f"clover-atomic-mkdir-{token}")
     try:
         yield tmp
-        _fsync_dir(tmp)
-        if os.path.lexists(dest):
-            old = f"{dest}.tmp-old-{uuid.uuid4().hex[:8]}"
-            os.rename(dest, old)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
-        else:
-            os.rename(tmp, dest)
-        _fsync_dir(parent)
+        _sync(f"clover-atomic-written-{token}")
+        if is_primary():
+            _fsync_dir(tmp)
+            if os.path.lexists(dest):
+                old = f"{dest}.tmp-old-{token}"
+                os.rename(dest, old)
+                os.rename(tmp, dest)
+                shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+            else:
+                os.rename(tmp, dest)
+            _fsync_dir(parent)
+        _sync(f"clover-atomic-renamed-{token}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if is_primary():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -166,7 +197,8 @@ def save_model(path: str, cfg: ModelConfig, weights: P.Weights, tokenizer_dir: s
     flat = flatten_weights(weights)
     check_leaves(cfg, {n: (a.shape, a.dtype) for n, a in flat.items()}, "the weights being saved")
     with atomic_directory(path, force) as tmp:
-        _write_common(tmp, cfg, tokenizer_dir, extra_files)
+        if is_primary():
+            _write_common(tmp, cfg, tokenizer_dir, extra_files)
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(tmp, WEIGHTS_DIR), flat, save_args={n: _save_args(n, a) for n, a in flat.items()})
         ckptr.wait_until_finished()

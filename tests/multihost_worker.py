@@ -5,15 +5,17 @@
 Joins the job through `jax.distributed.initialize` on loopback with gloo CPU collectives, builds
 the 8-device global mesh, creates the weights straight into their shardings (each process fills
 only its own devices' shards), runs a sharded greedy generate and a sharded forward, saves the
-weights with Orbax from both processes and restores them into a different mesh layout. Process 0
+weights with checkpoint.save_model from both processes (one atomically renamed directory) and
+restores them with load_model into a different mesh layout. Process 0
 writes what it saw to OUT_DIR/result.npz; the test compares it with the single-process run.
 """
 
 import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+if __name__ == "__main__":  # only the worker process: the test imports this module for its inputs
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax
 import numpy as np
@@ -58,12 +60,12 @@ def main(process_id: int, port: int, out_dir: str) -> None:
     with open(layout_path, "w") as f:
         f.write('platform = "cpu"\n[mesh]\nshape = [1, 8, 1]\naxes = ["data", "expert", "tensor"]\n')
 
-    import orbax.checkpoint as ocp
     from jax.experimental import multihost_utils
 
     from clover_jax import layouts, sharding
     from clover_jax import model as M
     from clover_jax import params as P
+    from clover_jax.checkpoint import load_model, save_model
     from clover_jax.sampler import generate
 
     lay, mesh = layouts.mesh_from_arg(layout_path)
@@ -84,19 +86,17 @@ def main(process_id: int, port: int, out_dir: str) -> None:
         logits = jax.jit(lambda w, t, v: M.apply(w, cfg, t, v, dispatch="ep_a2a"))(weights, tokens, valid)
     logits = multihost_utils.process_allgather(logits, tiled=True)
 
-    # Orbax: both processes save their shards into one directory, then restore into another layout.
+    # Native checkpoint: both processes save their shards into one (atomically renamed) directory,
+    # then restore into another layout.
     ckpt = os.path.join(out_dir, "ckpt")
-    flat = dict(P.named_leaves(weights))
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(ckpt, flat)
-        ckptr.wait_until_finished()
+    save_model(ckpt, cfg, weights)
     lay2 = layouts.load_layout("cpu-8")  # data 2 x expert 4: a different sharding of the same weights
     mesh2 = layouts.make_mesh(lay2)
+    target_shardings = sharding.weight_shardings(cfg, mesh2, lay2.rules)
+    _, restored_weights = load_model(ckpt, target_shardings)
+    restored = dict(P.named_leaves(restored_weights))
     target = {n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh) for (n, s), (_, sh) in
-              zip(P.named_leaves(specs), P.named_leaves(sharding.weight_shardings(cfg, mesh2, lay2.rules)),
-                  strict=True)}
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(ckpt, target)
+              zip(P.named_leaves(specs), P.named_leaves(target_shardings), strict=True)}
     mismatched = 0
     for (name, a) in zip([n for n, _ in P.named_leaves(specs)], arrays, strict=True):
         arr = restored[name]
