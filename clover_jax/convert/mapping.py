@@ -175,3 +175,28 @@ def ends(cfg: ModelConfig, embed_key: str, norm_key: str = "model.norm.weight",
     if not cfg.tie_embeddings:
         g.append(linear(head_key, ("lm_head", None), (d, v), 1))
     return g
+
+
+def qwen_style_groups(cfg: ModelConfig, fused_experts: bool, attn: dict[str, str],
+                      shared_key: str | None) -> list[Group]:
+    """Every tensor of a model keyed in the Qwen3-MoE style (qwen3_moe, llada_moe and clover):
+    `model.layers.{i}.{input,post_attention}_layernorm`, `.self_attn.*`, `.mlp.gate` (+ `.expert_bias`),
+    `.mlp.experts.*`, the shared expert under `.{shared_key}`, and dense first layers as `.mlp.*`."""
+    g = ends(cfg, "model.embed_tokens.weight")
+    for layer in range(cfg.n_layers):
+        stack, i, moe = layer_stack(cfg, layer)
+        p = f"model.layers.{layer}"
+        g += [copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (cfg.d_model,)),
+              copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (cfg.d_model,))]
+        g += attention_groups(f"{p}.self_attn", stack, i, cfg, attn)
+        if moe:
+            g.append(linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (cfg.d_model, cfg.n_experts), 1,
+                            kind="float32"))
+            if cfg.use_expert_bias:
+                g.append(copy(f"{p}.mlp.gate.expert_bias", ("moe_layers.mlp.expert_bias", i), (cfg.n_experts,)))
+            g += expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
+            if cfg.n_shared_experts and shared_key:
+                g += mlp_groups(f"{p}.{shared_key}", stack, i, "mlp.shared", cfg.d_model, cfg.shared_mlp_dim)
+        else:
+            g += mlp_groups(f"{p}.mlp", stack, i, "mlp", cfg.d_model, cfg.dense_mlp_dim)
+    return g

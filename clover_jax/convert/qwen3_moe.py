@@ -55,17 +55,4 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
-    g = M.ends(cfg, "model.embed_tokens.weight")
-    for layer in range(cfg.n_layers):
-        stack, i, moe = M.layer_stack(cfg, layer)
-        p = f"model.layers.{layer}"
-        g += [M.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (cfg.d_model,)),
-              M.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (cfg.d_model,))]
-        g += M.attention_groups(f"{p}.self_attn", stack, i, cfg, ATTN)
-        if moe:
-            g.append(M.linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (cfg.d_model, cfg.n_experts), 1,
-                              kind="float32"))
-            g += M.expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
-        else:
-            g += M.mlp_groups(f"{p}.mlp", stack, i, "mlp", cfg.d_model, cfg.dense_mlp_dim)
-    return g
+    return M.qwen_style_groups(cfg, fused_experts, ATTN, shared_key=None)
