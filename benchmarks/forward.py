@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dispatch", nargs="+", default=["dense", "ragged", "tiled"], help="JAX dispatches to time")
     p.add_argument("--runs", type=int, default=5, help="timed warm runs per figure (median)")
     p.add_argument("--no-torch", action="store_true", help="skip transformers")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch threads (default: the core count; 1 is fairer on a machine others are loading)")
     p.add_argument("--check", action="store_true", help="also compare logits of each dispatch with transformers")
     args = p.parse_args(argv)
     for name in ("seq", "layers", "d_model", "heads", "kv_heads", "head_dim", "experts", "top_k", "expert_width",
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import torch
 
-            torch.set_num_threads(cores)
+            torch.set_num_threads(args.torch_threads or cores)
             torch_model = hf_model(weights, cfg)
             print(f"transformers experts implementation: {torch_model.config._experts_implementation}, "
                   f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
