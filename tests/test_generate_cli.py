@@ -148,3 +148,20 @@ def test_chat_template_is_applied_unless_disabled():
 
     assert gen_cmd.encode(Tok(), "hi", chat=True) == [ord(c) for c in "<user>hi</user><assistant>"]
     assert gen_cmd.encode(Tok(), "hi", chat=False) == [ord("h"), ord("i")]
+
+
+def test_generation_config_sets_defaults_and_flags_win(tmp_path):
+    """A checkpoint's generation_config.json changes the sampler defaults; an explicit flag beats it."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "remasking": "margin", "max_new_tokens": 64, "top_k": 40, "unrelated": 1}))
+    defaults = gen_cmd.model_sampler_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.7, "remasking": "margin", "gen_length": 64, "top_k": 40}
+    parser = cli.build_parser()
+    sc = gen_cmd.sampler_config(parser.parse_args(["generate", "x"]), defaults)
+    assert (sc.temperature, sc.remasking, sc.gen_length, sc.top_k, sc.block_length) == (0.7, "margin", 64, 40, 32)
+    sc = gen_cmd.sampler_config(parser.parse_args(["generate", "x", "--temperature", "0", "--top-k", "0"]), defaults)
+    assert (sc.temperature, sc.top_k, sc.remasking) == (0.0, 0, "margin")
+    assert gen_cmd.sampler_config(parser.parse_args(["generate", "x"]), {}).temperature == 0.0
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(cli.UserError, match=r"generation_config\.json"):
+        gen_cmd.model_sampler_defaults(str(tmp_path))

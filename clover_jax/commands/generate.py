@@ -30,22 +30,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory (with config.json) or preset name (random weights); "
                         "default: checkpoints/clover-tiny if present, else the clover-tiny preset")
-    p.add_argument("--gen-length", type=int, default=128, help="tokens to generate (a multiple of --block-length)")
-    p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size")
+    p.add_argument("--gen-length", type=int, default=None,
+                   help="tokens to generate (a multiple of --block-length; default 128)")
+    p.add_argument("--block-length", type=int, default=None, help="semi-autoregressive block size (default 32)")
     p.add_argument("--steps", type=int, default=None, help="refinement steps in all (default: gen-length)")
-    p.add_argument("--remasking", default="low_confidence", help="low_confidence | random | margin | entropy")
-    p.add_argument("--threshold", type=float, default=0.0,
+    p.add_argument("--remasking", default=None,
+                   help="low_confidence (default) | random | margin | entropy")
+    p.add_argument("--threshold", type=float, default=None,
                    help="also commit every masked token whose confidence exceeds this (0 = off)")
-    p.add_argument("--entropy-bound", type=float, default=0.0,
+    p.add_argument("--entropy-bound", type=float, default=None,
                    help="also commit lowest-entropy tokens while their entropy sum stays within it (0 = off)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance scale (0 = off)")
-    p.add_argument("--cache", default="auto",
-                   help="auto | none | prefix | dual. auto: prefix for block-causal models (exact), none otherwise; "
-                        "prefix/dual are approximations for bidirectional models")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus filter (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale (0 = off)")
+    p.add_argument("--cache", default=None,
+                   help="auto (default) | none | prefix | dual. auto: prefix for block-causal models (exact), none "
+                        "otherwise; prefix/dual are approximations for bidirectional models")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating after EOS")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
     p.add_argument("--show", action="store_true", help="redraw the canvas on stderr as it fills in")
@@ -152,13 +154,44 @@ def make_show(tok: Any, cfg: Any, prefix: str) -> Any:
     return show
 
 
-def sampler_config(args: argparse.Namespace) -> Any:
+# Sampler settings a flag can set; a checkpoint's generation_config.json may change the defaults.
+SAMPLER_DEFAULTS: dict[str, Any] = {
+    "gen_length": 128, "block_length": 32, "steps": None, "remasking": "low_confidence", "threshold": 0.0,
+    "entropy_bound": 0.0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "cfg_scale": 0.0, "cache": "auto",
+    "seed": 0,
+}
+_HF_NAMES = {"max_new_tokens": "gen_length"}  # HuggingFace generation_config.json spellings
+
+
+def model_sampler_defaults(model: str) -> dict[str, Any]:
+    """Sampler defaults stored with a checkpoint (generation_config.json); unknown keys are ignored."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    from clover_jax.cli import UserError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from e
+    out = {}
+    for key, value in doc.items():
+        key = _HF_NAMES.get(key, key)
+        if key in SAMPLER_DEFAULTS:
+            out[key] = value
+    return out
+
+
+def sampler_config(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> Any:
+    """Flags first, then the model's generation_config.json, then the built-in defaults."""
     from clover_jax.sampler import SamplerConfig
 
-    return SamplerConfig(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                         remasking=args.remasking, threshold=args.threshold, entropy_bound=args.entropy_bound,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, cfg_scale=args.cfg_scale,
-                         seed=args.seed, cache=args.cache, eos_stop=not args.no_eos_stop)
+    settings = dict(SAMPLER_DEFAULTS, **(model_defaults or {}))
+    for key in SAMPLER_DEFAULTS:
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    return SamplerConfig(**settings, eos_stop=not args.no_eos_stop)
 
 
 # ---- batch jobs ------------------------------------------------------------------------------
@@ -237,13 +270,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--output {args.output!r}: its directory does not exist")
     from clover_jax.sampler import SamplerError, check_prompts, check_settings
 
-    sc = sampler_config(args)
+    model = args.model or default_model()
+    sc = sampler_config(args, model_sampler_defaults(model) if os.path.isdir(model) else None)
     try:  # check the knobs before reading or loading anything
         check_settings(sc)
     except SamplerError as e:
         raise UserError(str(e)) from e
     jobs = read_jobs(args.input) if args.input else [(0, args.prompt)]
-    cfg, weights, tok, mesh_ctx = load(args.model or default_model(), args.mesh)
+    cfg, weights, tok, mesh_ctx = load(model, args.mesh)
     chat = not args.no_chat_template
     done = finished_ids(args.output) if args.output else set()
     todo = [(rid, text) for rid, text in jobs if rid not in done]
