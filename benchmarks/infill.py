@@ -14,6 +14,7 @@ cost.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -24,6 +25,7 @@ MODES = [
     ("low_confidence, 1 token/step", dict(remasking="low_confidence", steps_per_token=1.0)),
     ("low_confidence, 2 tokens/step", dict(remasking="low_confidence", steps_per_token=0.5)),
     ("low_confidence, 4 tokens/step", dict(remasking="low_confidence", steps_per_token=0.25)),
+    ("low_confidence, one pass a block", dict(remasking="low_confidence", steps_per_token=1 / 32)),
     ("margin, 1 token/step", dict(remasking="margin", steps_per_token=1.0)),
     ("entropy, 1 token/step", dict(remasking="entropy", steps_per_token=1.0)),
     ("random, 1 token/step", dict(remasking="random", steps_per_token=1.0)),
@@ -52,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from clover_jax.sampler import SamplerConfig, generate
     from clover_jax.tokenizer import load_tokenizer
 
-    cfg, weights = load_model(args.checkpoint)
-    tok = load_tokenizer(args.checkpoint)
+    ckpt = os.path.abspath(args.checkpoint)  # orbax metadata reads want an absolute path
+    cfg, weights = load_model(ckpt)
+    tok = load_tokenizer(ckpt)
     _, held_out = split_text(read_text(args.data), args.holdout)
     ids = np.asarray(tok.encode(held_out), np.int32)
     win = args.prompt + args.span
