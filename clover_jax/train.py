@@ -210,6 +210,11 @@ def chunk_batch(b: Batch, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return r(b.tokens), r(b.valid), r(b.loss_mask)
 
 
+@functools.lru_cache(maxsize=4)
+def _single_device_step(cfg: ModelConfig, tc: TrainConfig) -> Callable:
+    return jax.jit(make_train_step(cfg, tc, make_optimizer(cfg, tc)), donate_argnums=0)
+
+
 @functools.lru_cache(maxsize=8)
 def _eval_program(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None) -> Callable:
     return jax.jit(make_eval_fn(cfg, proto, dispatch))
@@ -332,9 +337,11 @@ def train(
             log(f"resumed from {ckpt_dir} at step {int(state.step)}")
 
     state_sh = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
-    step_fn = jax.jit(make_train_step(cfg, tc, tx), donate_argnums=0,
-                      in_shardings=None if mesh is None else (state_sh, batch_sh, batch_sh, batch_sh),
-                      out_shardings=None if mesh is None else (state_sh, None))
+    if mesh is None:
+        step_fn = _single_device_step(cfg, tc)  # shared by calls with the same configs (resume, tests)
+    else:
+        step_fn = jax.jit(make_train_step(cfg, tc, tx), donate_argnums=0,
+                          in_shardings=(state_sh, batch_sh, batch_sh, batch_sh), out_shardings=(state_sh, None))
     eval_arrays = None
     eval_fn = None
     proto = EvalProtocol()

@@ -111,7 +111,7 @@ def test_sft_training_runs_and_scores_only_responses(tmp_path) -> None:
     path.write_text("\n".join(rows) + "\n")
     enc = lambda s: [ord(c) for c in s]
     tr, ev = PairDataset(str(path), enc, 16, 1, 0, 0).split(0.1)
-    tc = TrainConfig(steps=12, batch_size=8, seq_len=16, lr=5e-3, warmup_steps=2)
+    tc = TrainConfig(steps=8, batch_size=8, seq_len=16, lr=5e-3, warmup_steps=2)
     res = train(CFG, tc, tr, ev, progress=False)
     assert np.isfinite(res.losses).all() and np.mean(res.losses[-3:]) < np.mean(res.losses[:3])
 
