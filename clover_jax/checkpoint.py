@@ -225,6 +225,7 @@ def _save_args(name: str, a: Any) -> Any:
 
 
 def _check_dir(path: str) -> str:
+    path = os.path.abspath(path)  # Orbax resolves relative paths against its own idea of the cwd
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
@@ -278,7 +279,7 @@ def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, P.Weights
                                   f"differs in {sorted(set(shard_by_name) ^ set(specs))}")
     target = {n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard_by_name[n]) for n, s in specs.items()}
     with ocp.StandardCheckpointer() as ckptr:
-        flat = ckptr.restore(os.path.join(path, WEIGHTS_DIR), target)
+        flat = ckptr.restore(_check_dir(path), target)
     return cfg, unflatten_weights(cfg, flat)
 
 

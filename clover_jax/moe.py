@@ -304,6 +304,21 @@ def dispatch_tiled(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, layer:
 TAKES_LAYER_STACK: set[str] = {"tiled"}
 
 
+def known_dispatches() -> list[str]:
+    import clover_jax.expert_parallel  # noqa: F401  (registers the ep_* strategies)
+
+    return sorted(DISPATCH)
+
+
+def get_dispatch(name: str) -> Dispatch:
+    """The strategy called `name`; ValueError listing the known ones otherwise."""
+    if name not in DISPATCH and name.startswith("ep_"):
+        import clover_jax.expert_parallel  # noqa: F401  (registers the ep_* strategies)
+    if name not in DISPATCH:
+        raise ValueError(f"unknown MoE dispatch {name!r}; known: {', '.join(known_dispatches())}")
+    return DISPATCH[name]
+
+
 def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = None,
               layer: Array | None = None) -> tuple[Array, MoEStats]:
     """x [B, T, D] -> [B, T, D]: routed experts plus the (ungated) shared expert.
@@ -312,10 +327,7 @@ def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = 
     strategies in TAKES_LAYER_STACK slice single experts from the stack, the others get the layer.
     """
     name = dispatch or cfg.moe_dispatch
-    if name not in DISPATCH and name.startswith("ep_"):
-        import clover_jax.expert_parallel  # noqa: F401  (registers the ep_* strategies)
-    if name not in DISPATCH:
-        raise ValueError(f"unknown MoE dispatch {name!r}; known: {', '.join(sorted(DISPATCH))}")
+    get_dispatch(name)
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
     r = route(flat, w, cfg)

@@ -355,12 +355,12 @@ def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq
         raise PlanError(f"sequence length {seq_len} must be a positive multiple of the block length {block}")
     if seq_len > cfg.max_seq_len:
         raise PlanError(f"sequence length {seq_len} exceeds the config's max_seq_len {cfg.max_seq_len}")
-    if dispatch.startswith("ep_"):
-        import clover_jax.expert_parallel  # noqa: F401
-    from clover_jax.moe import DISPATCH
+    from clover_jax.moe import get_dispatch
 
-    if dispatch not in DISPATCH:
-        raise PlanError(f"unknown MoE dispatch {dispatch!r}; known: {', '.join(sorted(DISPATCH))}")
+    try:
+        get_dispatch(dispatch)
+    except ValueError as e:
+        raise PlanError(str(e)) from e
     # Divisibility first, on an abstract mesh: a bad rule is reported before any compile.
     abstract_mesh = AbstractMesh(layout.shape, layout.axes)
     shardings = sharding.weight_shardings(cfg, abstract_mesh, layout.rules)

@@ -141,10 +141,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} {path!r} does not exist")
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise UserError(f"--tokenizer {args.tokenizer!r} is not a directory")
-    from clover_jax.moe import DISPATCH
+    from clover_jax.moe import get_dispatch
 
-    if tc.dispatch not in DISPATCH:
-        raise UserError(f"unknown --dispatch {tc.dispatch!r}; known: {', '.join(sorted(DISPATCH))}")
+    try:
+        get_dispatch(tc.dispatch)
+    except ValueError as e:
+        raise UserError(f"--dispatch: {e}") from e
     if tc.seq_len > cfg.max_seq_len:
         raise UserError(f"--seq-len {tc.seq_len} exceeds the config's max_seq_len {cfg.max_seq_len}")
     tok = load_tokenizer(args.tokenizer)
