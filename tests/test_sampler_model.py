@@ -26,10 +26,20 @@ def numpy_init(cfg, seed):
     return jax.device_put(jax.tree.map(leaf, params.abstract(cfg), is_leaf=params.is_spec))
 
 
+def _block_causal(name):
+    cfg = get_config(name, init_std=0.1)
+    return cfg, numpy_init(cfg, 0)
+
+
 @pytest.fixture(scope="module", params=["test-clover", "test-llada2"])
 def block_causal(request):
-    cfg = get_config(request.param, init_std=0.1)
-    return cfg, numpy_init(cfg, 0)
+    return _block_causal(request.param)
+
+
+@pytest.fixture(scope="module")
+def clover():
+    """One block-causal config, for checks that do not depend on the family."""
+    return _block_causal("test-clover")
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +66,9 @@ def test_kv_cache_is_exact_for_block_causal_models(block_causal):
     assert a.stats.nfe <= 6
 
 
-def test_padding_invariance(block_causal):
+def test_padding_invariance(clover):
     """A prompt alone (no padding, batch of one) and inside a padded batch give the same greedy tokens."""
-    cfg, w = block_causal
-    if cfg.name != "test-clover":
-        pytest.skip("one config is enough")
+    cfg, w = clover
     alone = generate(w, cfg, [[*PROMPTS[0][:3], 30, 31, 32, 33, 34]], SC)  # 8 tokens: P = 8, B = 1
     batch = generate(w, cfg, [PROMPTS[1], [*PROMPTS[0][:3], 30, 31, 32, 33, 34]], SC, record_logits=True)  # P=16 B=2
     assert alone.raw.shape == (1, 24)
@@ -96,11 +104,9 @@ def test_bidirectional_caches_refresh_at_block_start(bidirectional):
         assert not (full.raw == cfg.mask_token_id).any() and full.stats.nfe == 24
 
 
-def test_guided_decoding_is_exact_with_a_cache(block_causal):
+def test_guided_decoding_is_exact_with_a_cache(clover):
     """Guidance runs 2B rows (the unconditional ones with the prompt masked) through the same cache."""
-    cfg, w = block_causal
-    if cfg.name != "test-clover":
-        pytest.skip("one config is enough")
+    cfg, w = clover
     guided = SC.replace(cfg_scale=1.5, steps=12)
     ref = generate(w, cfg, PROMPTS, guided, record_logits=True)
     got = generate(w, cfg, PROMPTS, guided.replace(cache="prefix"), record_logits=True)
@@ -110,11 +116,9 @@ def test_guided_decoding_is_exact_with_a_cache(block_causal):
     assert not np.allclose(plain.logits, ref.logits, atol=1e-3)  # guidance really changed the logits
 
 
-def test_sharded_run_matches_one_device(block_causal, devices):
+def test_sharded_run_matches_one_device(clover, devices):
     """Under a 2 (data) x 4 (expert) mesh the sampler gives the single-device tokens."""
-    cfg, w = block_causal
-    if cfg.name != "test-clover":
-        pytest.skip("one config is enough")
+    cfg, w = clover
     from clover_jax import layouts, sharding
 
     layout, mesh = layouts.mesh_from_arg("cpu-8")
