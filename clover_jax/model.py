@@ -54,15 +54,21 @@ class ForwardOut(NamedTuple):
 
 
 def _layer(
-    x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array] | None,
+    x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array, Array] | None,
     cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, layer: Array | None = None,
 ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
+    """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None."""
     h = L.rms_norm(x, w.attn_norm, cfg.norm_eps)
     q, k, v = L.project_qkv(h, w.attn, positions, cfg)
     if kv is not None:
-        k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), cache_offset, axis=1)
-        v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), cache_offset, axis=1)
-        kv = (k, v)
+        # Write only this window into the stack-wide cache (in place in the scan carry), then read
+        # this layer's columns back for attention.
+        k_all, v_all, i = kv
+        at = (i, 0, cache_offset, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+        k, v = k_all[i], v_all[i]
+        kv = (k_all, v_all)
     attn = L.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
     x = x + L.output_projection(h, attn, w.attn, cfg)
     x = constrain(x, ("batch", "seq", "embed"))
@@ -88,18 +94,21 @@ def _run_stack(
         stack = stack.replace(mlp=stack.mlp.replace(gate=None, up=None, down=None))
     n_layers = stack.attn_norm.shape[0]
 
-    def body(x: Array, per_layer: tuple) -> tuple[Array, tuple]:
-        w, lk, lv, i = per_layer
-        kv = None if lk is None else (lk, lv)
+    # The cache rides in the scan carry (not xs -> ys), so a pass writes only its window of it
+    # instead of producing a whole new cache.
+    def body(carry: tuple, per_layer: tuple) -> tuple[tuple, MoEStats | None]:
+        x, ck, cv = carry
+        w, i = per_layer
         if experts is not None:
             w = w.replace(mlp=w.mlp.replace(gate=experts.gate, up=experts.up, down=experts.down))
+        kv = None if ck is None else (ck, cv, i)
         x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, is_moe, dispatch,
                            None if experts is None else i)
-        return x, (None if kv is None else kv[0], None if kv is None else kv[1], st)
+        return (x, *(kv if kv is not None else (None, None))), st
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    x, (k, v, st) = jax.lax.scan(body, x, (stack, k, v, jnp.arange(n_layers)))
+    (x, k, v), st = jax.lax.scan(body, (x, k, v), (stack, jnp.arange(n_layers, dtype=jnp.int32)))
     return x, k, v, st
 
 
