@@ -287,6 +287,8 @@ def generate(
             dispatch = choose_dispatch(active[0])
         forward_fn = ModelForward(cfg, dispatch)
     tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len)
+    if tokens_in.shape[1] < sc.block_length:  # the cached first step re-encodes the block before block 0
+        raise SamplerError(f"prompt_len={tokens_in.shape[1]} must be at least block_length ({sc.block_length})")
     cache = resolve_cache(cfg, sc.cache)
     if cache != "none" and not hasattr(forward_fn, "init_cache"):
         raise SamplerError(f"cache={cache!r} needs a forward function with an init_cache(rows, length) method")

@@ -7,7 +7,7 @@ import pytest
 
 from clover_jax import params
 from clover_jax.config import get_config
-from clover_jax.sampler import SamplerConfig, compile_count, generate
+from clover_jax.sampler import SamplerConfig, SamplerError, compile_count, generate
 
 # Peaked logits (larger init) so that greedy choices are not decided by float rounding.
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
@@ -127,3 +127,22 @@ def test_sharded_run_matches_one_device(clover, devices):
     with sharding.use_mesh(mesh, layout.rules):
         got = generate(sharded, cfg, PROMPTS[:1], SC.replace(cache="prefix"))
     np.testing.assert_array_equal(got.raw, ref.raw)
+
+
+def test_bidirectional_caches_are_exact_with_one_layer():
+    """With one layer K/V depend only on token and position, so the stale parts of the approximate caches
+    (prefix / finished blocks for `prefix`, the all-mask suffix for `dual`) are exact: every later step of
+    a block, not just the refresh pass, must then match the uncached run."""
+    cfg = get_config("test-llada-moe", init_std=0.1, n_layers=1)
+    w = numpy_init(cfg, 2)
+    ref = generate(w, cfg, PROMPTS, SC, record_logits=True)
+    for cache in ("prefix", "dual"):
+        got = generate(w, cfg, PROMPTS, SC.replace(cache=cache), record_logits=True)
+        np.testing.assert_array_equal(got.raw, ref.raw, err_msg=cache)
+        np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0, err_msg=cache)
+
+
+def test_forced_prompt_bucket_shorter_than_a_block_is_refused(clover):
+    cfg, w = clover
+    with pytest.raises(SamplerError, match="block_length"):
+        generate(w, cfg, [[5, 6]], SC.replace(cache="prefix"), prompt_len=4)
