@@ -130,9 +130,13 @@ def sort_by_expert(x: Array, r: Routing, n_experts: int) -> SortedCopies:
 
 
 def combine_sorted(y_sorted: Array, s: SortedCopies, r: Routing, dtype: jnp.dtype) -> Array:
-    """Undo the sort and sum each token's k expert outputs with its routing weights."""
+    """Undo the sort and sum each token's k expert outputs with its routing weights.
+
+    Through the inverse permutation: a gather of the rows, not a scatter into a zeroed [N*k, D] buffer.
+    """
     n, k = r.experts.shape
-    y = jnp.zeros_like(y_sorted).at[s.order].set(y_sorted).reshape(n, k, -1)
+    inverse = jnp.zeros_like(s.order).at[s.order].set(jnp.arange(n * k, dtype=s.order.dtype))
+    y = y_sorted[inverse].reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), r.weights).astype(dtype)
 
 
@@ -284,20 +288,12 @@ def grouped_swiglu(rows: Array, sizes: Array, gate: Array, up: Array, down: Arra
     return y[:n_rows]
 
 
-def combine_gather(y_sorted: Array, s: SortedCopies, r: Routing, dtype: jnp.dtype) -> Array:
-    """`combine_sorted` through the inverse permutation: a gather, no [N*k, D] zero-scatter."""
-    n, k = r.experts.shape
-    inverse = jnp.zeros_like(s.order).at[s.order].set(jnp.arange(n * k, dtype=s.order.dtype))
-    y = y_sorted[inverse].reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), r.weights).astype(dtype)
-
-
 @register("tiled")
 def dispatch_tiled(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, layer: Array | None = None
                    ) -> tuple[Array, Array]:
     s = sort_by_expert(x, r, cfg.n_experts)
     y = grouped_swiglu(s.rows, s.group_sizes, w.gate, w.up, w.down, layer)
-    return combine_gather(y, s, r, x.dtype), _no_drops()
+    return combine_sorted(y, s, r, x.dtype), _no_drops()
 
 
 # Strategies that take expert weights still stacked over layers plus a `layer` index (see moe_block).
