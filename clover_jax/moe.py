@@ -115,28 +115,32 @@ def dispatch_dense(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tup
 
 class SortedCopies(NamedTuple):
     rows: Array  # [N*k, D] token copies ordered by expert
-    order: Array  # [N*k] index into the flattened (token, slot) copies
+    position: Array  # [N*k] row of each flattened (token, slot) copy in `rows`
     group_sizes: Array  # [E] int32 copies per expert
     group_starts: Array  # [E] int32 first row of each expert's group
 
 
 def sort_by_expert(x: Array, r: Routing, n_experts: int) -> SortedCopies:
+    """Token copies grouped by expert, in copy order inside a group: a counting sort.
+
+    A copy's row is its expert's start plus its rank among that expert's copies (a running count
+    over a one-hot [N*k, E]), so no argsort, and undoing the sort is a gather at `position`.
+    """
+    n, k = r.experts.shape
     flat_e = r.experts.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    rows = x[order // r.experts.shape[1]]
-    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat_e].add(1)
+    counts = jnp.cumsum(flat_e[:, None] == jnp.arange(n_experts, dtype=flat_e.dtype), axis=0, dtype=jnp.int32)
+    rank = jnp.take_along_axis(counts, flat_e[:, None], axis=1)[:, 0] - 1
+    sizes = counts[-1]
     starts = jnp.cumsum(sizes) - sizes
-    return SortedCopies(rows, order, sizes, starts)
+    position = starts[flat_e] + rank
+    token_of_row = jnp.zeros((n * k,), jnp.int32).at[position].set(jnp.arange(n * k, dtype=jnp.int32) // k)
+    return SortedCopies(x[token_of_row], position, sizes, starts)
 
 
 def combine_sorted(y_sorted: Array, s: SortedCopies, r: Routing, dtype: jnp.dtype) -> Array:
-    """Undo the sort and sum each token's k expert outputs with its routing weights.
-
-    Through the inverse permutation: a gather of the rows, not a scatter into a zeroed [N*k, D] buffer.
-    """
+    """Undo the sort (a gather of each copy's row) and sum each token's k outputs with its routing weights."""
     n, k = r.experts.shape
-    inverse = jnp.zeros_like(s.order).at[s.order].set(jnp.arange(n * k, dtype=s.order.dtype))
-    y = y_sorted[inverse].reshape(n, k, -1)
+    y = y_sorted[s.position].reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), r.weights).astype(dtype)
 
 
@@ -149,26 +153,21 @@ def dispatch_ragged(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tu
     return combine_sorted(y, s, r, x.dtype), _no_drops()
 
 
-def tile_rows(n_copies: int, n_experts: int) -> int:
-    """Tile height for `tiled`: about the mean group size, a power of two in [8, 128]."""
-    mean = max(1, n_copies // n_experts)
-    m = 8
-    while m < mean and m < 128:
-        m *= 2
-    return m
-
-
 MIN_TILE = 8  # smallest tile height: a group's last < 8 rows are padded to 8
+MAX_TILE = 128  # largest: big enough for an efficient matmul (256 measured slower on CPU)
 
 
-def tile_heights(n_copies: int, n_experts: int) -> tuple[int, ...]:
-    """Tile heights for `tiled`, largest first: (m, m/2, ..., 8) with m = `tile_rows`.
+def tile_heights(n_rows: int) -> tuple[int, ...]:
+    """Tile heights for `tiled`, largest first: (m, m/2, ..., 8), m = MAX_TILE or less for few rows.
 
     A group of s rows takes s // m tiles of m rows, then one tile of each smaller height in the
-    binary expansion of the remainder; only its last < 8 rows are padded. One fixed height would
-    waste about m/2 rows per expert, which at 24 rows per expert is more work than the real rows.
+    binary expansion of the remainder, so only its last < 8 rows are padded whatever its size. The
+    top height does not follow the mean group size: routing is rarely even (on random weights a
+    few experts take most tokens), and a large group in small tiles runs at half the matmul speed.
     """
-    m = tile_rows(n_copies, n_experts)
+    m = MIN_TILE
+    while m < min(n_rows, MAX_TILE):
+        m *= 2
     heights = [m]
     while heights[-1] > MIN_TILE:
         heights.append(heights[-1] // 2)
@@ -210,7 +209,9 @@ def _grouped_swiglu_fwd_loop(rows: Array, gate: Array, up: Array, down: Array, l
 
         return _walk_group(starts[e], sizes[e], heights, tile_fn, out)
 
-    return jax.lax.fori_loop(0, gate.shape[1], expert_body, jnp.zeros_like(rows))
+    # An expert with no rows is skipped before its weights are sliced (that slice is a copy on CPU).
+    body = lambda e, out: jax.lax.cond(sizes[e] > 0, expert_body, lambda e, out: out, e, out)
+    return jax.lax.fori_loop(0, gate.shape[1], body, jnp.zeros_like(rows))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -262,7 +263,8 @@ def _grouped_swiglu_bwd(heights, res, dy):
         return dx, put(dgate, dwg), put(dup, dwu), put(ddown, dwd)
 
     init = (jnp.zeros_like(rows), jnp.zeros_like(gate), jnp.zeros_like(up), jnp.zeros_like(down))
-    dx, dgate, dup, ddown = jax.lax.fori_loop(0, gate.shape[1], expert_body, init)
+    body = lambda e, c: jax.lax.cond(sizes[e] > 0, expert_body, lambda e, c: c, e, c)  # empty: zero grads
+    dx, dgate, dup, ddown = jax.lax.fori_loop(0, gate.shape[1], body, init)
     return dx, dgate, dup, ddown, None, None, None
 
 
@@ -279,7 +281,7 @@ def grouped_swiglu(rows: Array, sizes: Array, gate: Array, up: Array, down: Arra
     n_rows, d = rows.shape
     if layer is None:
         gate, up, down, layer = gate[None], up[None], down[None], 0
-    heights = heights or tile_heights(n_rows, gate.shape[1])
+    heights = heights or tile_heights(n_rows)
     starts = jnp.cumsum(sizes) - sizes
     # heights[0] spare rows: the last tile of the last group never reads or writes out of bounds.
     padded = jnp.concatenate([rows, jnp.zeros((heights[0], d), rows.dtype)])

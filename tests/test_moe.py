@@ -84,22 +84,28 @@ def test_grouped_swiglu_every_group_size_against_numpy() -> None:
     rows = jax.random.normal(keys[0], (int(sizes.sum()), d))
     gate, up = (0.3 * jax.random.normal(k, (e, d, f)) for k in keys[1:3])
     down = 0.3 * jax.random.normal(keys[3], (e, f, d))
-    heights = moe.tile_heights(len(rows), e)
+    heights = moe.tile_heights(len(rows))
     assert heights[-1] == moe.MIN_TILE and heights == tuple(sorted(heights, reverse=True))
-    y = jax.jit(moe.grouped_swiglu)(rows, jnp.asarray(sizes), gate, up, down)
     starts = np.cumsum(sizes) - sizes
     r, g, u, dn = (np.asarray(a, np.float64) for a in (rows, gate, up, down))
-    for i, (s, n) in enumerate(zip(starts, sizes, strict=True)):
-        xe = r[s:s + n]
-        h = xe @ g[i]
-        want = (h / (1 + np.exp(-h)) * (xe @ u[i])) @ dn[i]
-        np.testing.assert_allclose(np.asarray(y[s:s + n]), want, atol=1e-5, err_msg=f"group {i} of {n} rows")
+    # Default heights (top 128: every group in one big tile or its binary tail) and a small top
+    # height (32: groups of 33..70 rows take several big tiles before the tail).
+    for hs in (None, (32, 16, 8)):
+        y = jax.jit(moe.grouped_swiglu, static_argnames="heights")(rows, jnp.asarray(sizes), gate, up, down,
+                                                                  heights=hs)
+        for i, (s, n) in enumerate(zip(starts, sizes, strict=True)):
+            xe = r[s:s + n]
+            h = xe @ g[i]
+            want = (h / (1 + np.exp(-h)) * (xe @ u[i])) @ dn[i]
+            np.testing.assert_allclose(np.asarray(y[s:s + n]), want, atol=1e-5,
+                                       err_msg=f"heights {hs}: group {i} of {n} rows")
 
 
-def test_tile_heights_track_mean_group_size() -> None:
-    assert moe.tile_heights(768, 32) == (32, 16, 8)  # B=1 x 192 tokens x top-4 over 32 experts
-    assert moe.tile_heights(6144, 32)[0] == 128
-    assert moe.tile_heights(4, 64) == (8,)
+def test_tile_heights() -> None:
+    assert moe.tile_heights(768) == (128, 64, 32, 16, 8)  # B=1 x 192 tokens x top-4
+    assert moe.tile_heights(100) == (128, 64, 32, 16, 8)
+    assert moe.tile_heights(40) == (64, 32, 16, 8)  # never taller than the rows need
+    assert moe.tile_heights(4) == (8,)
 
 
 @pytest.mark.parametrize("cfg", [QWEN, LLADA2], ids=["softmax", "sigmoid-groups"])
