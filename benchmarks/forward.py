@@ -3,7 +3,8 @@
     python benchmarks/forward.py                  # DESIGN.md shape: 8 layers, d 512, 32 experts top-4, B = 1 and 8
     python benchmarks/forward.py --batch 1 --dispatch tiled --no-torch
 
-Every figure is the median wall time of `--runs` warm calls of one jitted forward pass (compile excluded);
+Every figure is the median wall time of `--runs` warm calls of one jitted forward pass (compile excluded),
+the candidates taken in turns so that a busy neighbour on a shared machine slows all of them alike;
 transformers runs under torch.inference_mode with as many threads as cores. Prints figures, asserts nothing
 about time.
 """
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-width", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dispatch", nargs="+", default=["dense", "ragged", "tiled"], help="JAX dispatches to time")
-    p.add_argument("--runs", type=int, default=5, help="timed warm runs per figure (median)")
+    p.add_argument("--runs", type=int, default=9, help="timed warm runs per figure (median)")
     p.add_argument("--no-torch", action="store_true", help="skip transformers")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads (default: the core count; 1 is fairer on a machine others are loading)")
@@ -106,14 +107,18 @@ def hf_model(weights, cfg):
     return model
 
 
-def median_ms(fn, runs: int) -> float:
-    fn()  # warm (compile / allocate)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+def interleaved_ms(calls: dict, runs: int) -> dict[str, list[float]]:
+    """Wall ms of `runs` warm calls of each candidate, taken in turns (A B C A B C ...) so that a
+    change in the machine's load hits every candidate alike. Each is called once first (compile)."""
+    for fn in calls.values():
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(runs):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in args.batch:
         tokens = jax.random.randint(jax.random.key(b), (b, args.seq), 0, cfg.vocab_size)
-        row = {"B": b}
-        ref = None
+        calls, fwds = {}, {}
         if torch_model is not None:
             import torch
 
@@ -164,17 +168,20 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.inference_mode():
                     return torch_model(input_ids=ids, attention_mask=mask4).logits
 
-            row["transformers"] = median_ms(run_torch, args.runs)
-            ref = run_torch().numpy() if args.check else None
-            print(f"B={b} transformers {row['transformers']:.1f} ms", flush=True)
+            calls["transformers"] = run_torch
         for name in args.dispatch:
-            fwd = jax.jit(lambda w, t, name=name: M.apply(w, cfg, t, dispatch=name))
-            row[name] = median_ms(lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready(), args.runs)
+            fwd = fwds[name] = jax.jit(lambda w, t, name=name: M.apply(w, cfg, t, dispatch=name))
+            calls[name] = lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready()
+        times = interleaved_ms(calls, args.runs)
+        row = {"B": b}
+        ref = calls["transformers"]().numpy() if args.check and torch_model is not None else None
+        for name, ts in times.items():
+            row[name] = statistics.median(ts)
             extra = ""
-            if ref is not None:
-                err = float(jnp.max(jnp.abs(fwd(weights, tokens) - ref)))
+            if ref is not None and name != "transformers":
+                err = float(jnp.max(jnp.abs(fwds[name](weights, tokens) - ref)))
                 extra = f" (max |logit diff| vs transformers {err:.2e})"
-            print(f"B={b} {name} {row[name]:.1f} ms{extra}", flush=True)
+            print(f"B={b} {name} {row[name]:.1f} ms (min {min(ts):.1f}){extra}", flush=True)
         rows.append(row)
 
     cols = (["transformers"] if torch_model is not None else []) + list(args.dispatch)
