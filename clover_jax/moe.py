@@ -6,12 +6,13 @@ one is the test oracle), they differ only in how the work is laid out:
 
 - `dense`:  every expert on every token, weighted by the (mostly zero) routing weights.
 - `ragged`: sort token copies by expert, `jax.lax.ragged_dot` grouped matmuls, unsort.
-- `tiled`:  sort token copies by expert; walk each expert's contiguous group in tiles (heights m,
-            m/2, ..., 8: dynamic trip count, then the remainder's binary expansion), multiplying
-            each tile by that expert's weights in place. Dropless, never gathers a weight matrix
-            per tile, pads at most 7 rows per expert, and takes the expert weights still stacked
-            over layers (no per-layer copy), so it is the fast path where `ragged_dot` has no real
-            kernel (the CPU). Differentiable: a custom VJP runs the same tiled walk backwards.
+- `tiled`:  sort token copies by expert; walk each expert's contiguous group in tiles (heights
+            128, 64, ..., 8: dynamic trip count, then the remainder's binary expansion), multiplying
+            each tile by that expert's weights. Dropless, slices each active expert's matrices once
+            per pass (never per tile, never a whole layer; experts with no rows are skipped), pads
+            at most 7 rows per expert, and takes the expert weights still stacked over layers, so
+            it is the fast path where `ragged_dot` has no real kernel (the CPU). Differentiable: a
+            custom VJP runs the same tiled walk backwards.
 Expert-parallel strategies (`ep_*`, under `shard_map`) register themselves from `expert_parallel`.
 """
 
