@@ -121,21 +121,35 @@ class SortedCopies(NamedTuple):
     group_starts: Array  # [E] int32 first row of each expert's group
 
 
-def sort_by_expert(x: Array, r: Routing, n_experts: int) -> SortedCopies:
-    """Token copies grouped by expert, in copy order inside a group: a counting sort.
+COUNTING_SORT_MAX = 1 << 22  # one-hot entries (16 MB of int32) up to which the sort is a running count
 
-    A copy's row is its expert's start plus its rank among that expert's copies (a running count
-    over a one-hot [N*k, E]), so no argsort, and undoing the sort is a gather at `position`.
+
+def expert_positions(flat_e: Array, n_experts: int) -> tuple[Array, Array]:
+    """Row of each copy once copies are grouped by expert (copy order kept inside a group), and the
+    copies per expert.
+
+    A row is its expert's start plus the copy's rank among that expert's copies. For small inputs
+    the rank is a running count over a one-hot [N*k, E] (on CPU ~1.5x faster than an argsort at
+    6144 copies x 32 experts); past COUNTING_SORT_MAX entries that one-hot would cost real memory
+    (256 experts, top-8: 8 KB per token), so the rows come from a stable argsort instead.
     """
+    m = flat_e.shape[0]
+    if m * n_experts <= COUNTING_SORT_MAX:
+        counts = jnp.cumsum(flat_e[:, None] == jnp.arange(n_experts, dtype=flat_e.dtype), axis=0, dtype=jnp.int32)
+        sizes = counts[-1]
+        rank = jnp.take_along_axis(counts, flat_e[:, None], axis=1)[:, 0] - 1
+        return (jnp.cumsum(sizes) - sizes)[flat_e] + rank, sizes
+    order = jnp.argsort(flat_e, stable=True)
+    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat_e].add(1)
+    return jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32)), sizes
+
+
+def sort_by_expert(x: Array, r: Routing, n_experts: int) -> SortedCopies:
+    """Token copies grouped by expert, in copy order inside a group; undoing it is a gather at `position`."""
     n, k = r.experts.shape
-    flat_e = r.experts.reshape(-1)
-    counts = jnp.cumsum(flat_e[:, None] == jnp.arange(n_experts, dtype=flat_e.dtype), axis=0, dtype=jnp.int32)
-    rank = jnp.take_along_axis(counts, flat_e[:, None], axis=1)[:, 0] - 1
-    sizes = counts[-1]
-    starts = jnp.cumsum(sizes) - sizes
-    position = starts[flat_e] + rank
+    position, sizes = expert_positions(r.experts.reshape(-1), n_experts)
     token_of_row = jnp.zeros((n * k,), jnp.int32).at[position].set(jnp.arange(n * k, dtype=jnp.int32) // k)
-    return SortedCopies(x[token_of_row], position, sizes, starts)
+    return SortedCopies(x[token_of_row], position, sizes, jnp.cumsum(sizes) - sizes)
 
 
 def combine_sorted(y_sorted: Array, s: SortedCopies, r: Routing, dtype: jnp.dtype) -> Array:

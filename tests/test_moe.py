@@ -101,6 +101,20 @@ def test_grouped_swiglu_every_group_size_against_numpy() -> None:
                                        err_msg=f"heights {hs}: group {i} of {n} rows")
 
 
+@pytest.mark.parametrize("n_copies, n_experts", [(600, 8), (2048, 64)])
+def test_counting_sort_equals_stable_argsort(n_copies: int, n_experts: int, monkeypatch) -> None:
+    """Both ways of grouping copies by expert give the stable order: every copy's row, group sizes."""
+    flat_e = jax.random.randint(jax.random.key(n_copies), (n_copies,), 0, n_experts // 2) * 2  # odd experts empty
+    counted = moe.expert_positions(flat_e, n_experts)
+    monkeypatch.setattr(moe, "COUNTING_SORT_MAX", 0)
+    sorted_ = moe.expert_positions(flat_e, n_experts)
+    want_rows = np.argsort(np.argsort(np.asarray(flat_e), kind="stable"), kind="stable")
+    want_sizes = np.bincount(np.asarray(flat_e), minlength=n_experts)
+    for position, sizes in (counted, sorted_):
+        np.testing.assert_array_equal(np.asarray(position), want_rows)
+        np.testing.assert_array_equal(np.asarray(sizes), want_sizes)
+
+
 def test_tile_heights() -> None:
     assert moe.tile_heights(768) == (128, 64, 32, 16, 8)  # B=1 x 192 tokens x top-4
     assert moe.tile_heights(100) == (128, 64, 32, 16, 8)
