@@ -12,6 +12,7 @@ about time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -33,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--expert-width", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dispatch", nargs="+", default=["dense", "ragged", "tiled"], help="JAX dispatches to time")
+    p.add_argument("--dispatch", nargs="+", default=["dense", "ragged", "tiled-jax", "tiled"],
+                   help="JAX dispatches to time; NAME-jax: NAME with clover_jax.native switched off (pure JAX)")
     p.add_argument("--runs", type=int, default=9, help="timed warm runs per figure (median)")
     p.add_argument("--no-torch", action="store_true", help="skip transformers")
     p.add_argument("--torch-threads", type=int, default=0,
@@ -127,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from clover_jax import model as M
+    from clover_jax import native
     from clover_jax.moe import DISPATCH
     from clover_jax.params import init
 
-    unknown = [d for d in args.dispatch if d not in DISPATCH]
+    unknown = [d for d in args.dispatch if d.removesuffix("-jax") not in DISPATCH]
     if unknown:
         print(f"unknown dispatch {unknown}; known: {sorted(DISPATCH)}", file=sys.stderr)
         return 2
@@ -141,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.n_experts} experts top-{cfg.n_experts_per_tok} width {cfg.expert_mlp_dim}, vocab {cfg.vocab_size}, "
           f"fp32, {args.seq} tokens/row; jax {jax.__version__} on {jax.default_backend()}, {cores} cores; "
           f"median of {args.runs} warm runs", flush=True)
+    if jax.default_backend() == "cpu":
+        state = "on" if native.available() else f"off ({native.unavailable_reason() or 'CLOVER_NATIVE=0'})"
+        print(f"native CPU kernels (float32 `tiled` on CPU; `-jax` candidates run without them): {state}", flush=True)
 
     torch_model = None
     if not args.no_torch:
@@ -170,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
 
             calls["transformers"] = run_torch
         for name in args.dispatch:
-            fwd = fwds[name] = jax.jit(lambda w, t, name=name: M.apply(w, cfg, t, dispatch=name))
+            # Compiled here, so that a NAME-jax candidate is traced with the native kernels off.
+            dispatch = name.removesuffix("-jax")
+            with native.switched_off() if name.endswith("-jax") else contextlib.nullcontext():
+                fwd = fwds[name] = jax.jit(lambda w, t, d=dispatch: M.apply(w, cfg, t, dispatch=d)).lower(
+                    weights, tokens).compile()
             calls[name] = lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready()
         times = interleaved_ms(calls, args.runs)
         row = {"B": b}

@@ -11,8 +11,10 @@ one is the test oracle), they differ only in how the work is laid out:
             each tile by that expert's weights. Dropless, slices each active expert's matrices once
             per pass (never per tile, never a whole layer; experts with no rows are skipped), pads
             at most 7 rows per expert, and takes the expert weights still stacked over layers, so
-            it is the fast path where `ragged_dot` has no real kernel (the CPU). Differentiable: a
-            custom VJP runs the same tiled walk backwards.
+            it is the fast path where `ragged_dot` has no real kernel (the CPU). In float32 on CPU
+            the forward walk is the native kernel of `clover_jax.native` instead (same function:
+            each group through a register-blocked GEMM on XLA's threads, weights read in place),
+            where it builds. Differentiable: a custom VJP runs the tiled walk backwards.
 Expert-parallel strategies (`ep_*`, under `shard_map`) register themselves from `expert_parallel`.
 """
 
@@ -229,14 +231,39 @@ def _grouped_swiglu_fwd_loop(rows: Array, gate: Array, up: Array, down: Array, l
     return jax.lax.fori_loop(0, gate.shape[1], body, jnp.zeros_like(rows))
 
 
+def _pad_rows(a: Array, heights: tuple[int, ...]) -> Array:
+    """heights[0] spare rows: the last tile of the last group never reads or writes out of bounds."""
+    return jnp.concatenate([a, jnp.zeros((heights[0], a.shape[1]), a.dtype)])
+
+
+def _walk_forward(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array, starts: Array,
+                  heights: tuple[int, ...]) -> Array:
+    y = _grouped_swiglu_fwd_loop(_pad_rows(rows, heights), gate, up, down, layer, sizes, starts, heights)
+    return y[:rows.shape[0]]
+
+
+def _grouped_swiglu_forward(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array,
+                            starts: Array, heights: tuple[int, ...]) -> Array:
+    """The native kernel where it applies (float32 on CPU, see clover_jax.native), else the tile walk."""
+    from clover_jax import native
+
+    walk = partial(_walk_forward, heights=heights)
+    f32 = all(a.dtype == jnp.float32 for a in (rows, gate, up, down))
+    if not (f32 and jax.default_backend() == "cpu" and native.available()):
+        return walk(rows, gate, up, down, layer, sizes, starts)
+    call_native = lambda rows, gate, up, down, layer, sizes, starts: native.grouped_swiglu(
+        rows, gate, up, down, layer, sizes)
+    return jax.lax.platform_dependent(rows, gate, up, down, layer, sizes, starts, cpu=call_native, default=walk)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _grouped_swiglu(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array, starts: Array,
                     heights: tuple[int, ...]) -> Array:
-    return _grouped_swiglu_fwd_loop(rows, gate, up, down, layer, sizes, starts, heights)
+    return _grouped_swiglu_forward(rows, gate, up, down, layer, sizes, starts, heights)
 
 
 def _grouped_swiglu_fwd(rows, gate, up, down, layer, sizes, starts, heights):
-    y = _grouped_swiglu_fwd_loop(rows, gate, up, down, layer, sizes, starts, heights)
+    y = _grouped_swiglu_forward(rows, gate, up, down, layer, sizes, starts, heights)
     return y, (rows, gate, up, down, layer, sizes, starts)
 
 
@@ -244,6 +271,8 @@ def _grouped_swiglu_bwd(heights, res, dy):
     """The same tile walk: per tile dX = dH W^T, and per expert dW_e = sum over tiles of X^T dH (rows
     past the group masked out), recomputing the tile's hidden activations instead of storing them."""
     rows, gate, up, down, layer, sizes, starts = res
+    n_rows = rows.shape[0]
+    rows, dy = _pad_rows(rows, heights), _pad_rows(dy, heights)
     f32 = jnp.float32
 
     def expert_body(e: Array, carry: tuple) -> tuple:
@@ -280,7 +309,7 @@ def _grouped_swiglu_bwd(heights, res, dy):
     init = (jnp.zeros_like(rows), jnp.zeros_like(gate), jnp.zeros_like(up), jnp.zeros_like(down))
     body = lambda e, c: jax.lax.cond(sizes[e] > 0, expert_body, lambda e, c: c, e, c)  # empty: zero grads
     dx, dgate, dup, ddown = jax.lax.fori_loop(0, gate.shape[1], body, init)
-    return dx, dgate, dup, ddown, None, None, None
+    return dx[:n_rows], dgate, dup, ddown, None, None, None
 
 
 _grouped_swiglu.defvjp(_grouped_swiglu_fwd, _grouped_swiglu_bwd)
@@ -293,16 +322,12 @@ def grouped_swiglu(rows: Array, sizes: Array, gate: Array, up: Array, down: Arra
     gate/up [E, D, F], down [E, F, D]; or all stacked over layers [L, E, ...] with `layer` choosing one
     (then no layer's weights are copied out of the stack). Dropless; differentiable (custom VJP).
     """
-    n_rows, d = rows.shape
     if layer is None:
         gate, up, down, layer = gate[None], up[None], down[None], 0
-    heights = heights or tile_heights(n_rows)
+    heights = heights or tile_heights(rows.shape[0])
     starts = jnp.cumsum(sizes) - sizes
-    # heights[0] spare rows: the last tile of the last group never reads or writes out of bounds.
-    padded = jnp.concatenate([rows, jnp.zeros((heights[0], d), rows.dtype)])
-    y = _grouped_swiglu(padded, gate, up, down, jnp.asarray(layer, jnp.int32), sizes.astype(jnp.int32),
-                        starts.astype(jnp.int32), heights)
-    return y[:n_rows]
+    return _grouped_swiglu(rows, gate, up, down, jnp.asarray(layer, jnp.int32), sizes.astype(jnp.int32),
+                           starts.astype(jnp.int32), heights)
 
 
 @register("tiled")
