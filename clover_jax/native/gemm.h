@@ -34,6 +34,10 @@ inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, floa
   Vec acc0[MR], acc1[MR];
   for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec{};
   for (int64_t p = 0; p < k; ++p) {
+    // B's rows are ldb apart, beyond what the hardware prefetcher runs ahead of: ask for the row 16
+    // steps on (measured 10-20% faster on a whole MoE layer; prefetches never fault past the end).
+    __builtin_prefetch(b + (p + 16) * ldb, 0, 3);
+    __builtin_prefetch(b + (p + 16) * ldb + kLanes, 0, 3);
     const Vec b0 = load(b + p * ldb), b1 = load(b + p * ldb + kLanes);
     for (int r = 0; r < MR; ++r) {
       const Vec ar = Vec{} + a[r * lda + p];  // broadcast
