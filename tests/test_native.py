@@ -48,7 +48,7 @@ def _grouped(rows, sizes, gate, up, down, layer):
 @pytest.mark.parametrize(("d", "f", "sizes"), [
     (16, 24, [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 0, 64, 70, 5]),  # narrower than a panel: edge columns only
     (40, 48, [13, 0, 25, 1, 12]),  # whole panels plus edge columns; full 12-row blocks plus short tails
-    (2080, 48, [3, 1030]),  # k so deep that B is walked in several column blocks; a 1030-row group
+    (2080, 48, [3, 1030]),  # k so deep that B is walked in column blocks; a group longer than one chunk
 ])
 def test_native_grouped_swiglu_against_numpy(d: int, f: int, sizes: list[int]) -> None:
     rows, sizes_, gate, up, down = _problem(d, f, sizes, pad=5)
