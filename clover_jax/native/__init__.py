@@ -74,6 +74,7 @@ def _build(compiler: str) -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building clover_jax's native CPU kernels into %s (once per machine, a few seconds)", lib)
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.name, suffix=".tmp")
     os.close(fd)
     try:
