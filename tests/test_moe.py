@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -9,13 +10,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax import moe
+from clover_jax import moe, native
 from clover_jax.config import get_config
 from clover_jax.params import init
 
 QWEN = get_config("test-qwen3-moe")  # softmax router, 8 experts, top-2
 LLADA2 = get_config("test-llada2")  # sigmoid router + expert bias, 4 groups keep 2, x2.5, shared expert
-FAST = ("ragged", "tiled")
+FAST = ("ragged", "tiled", "tiled-walk")  # tiled-walk: tiled traced with the native CPU kernel off
+
+
+def _dispatch(name: str) -> tuple[str, contextlib.AbstractContextManager]:
+    """(dispatch, context to trace it in): `X-walk` is X with clover_jax.native switched off."""
+    if name.endswith("-walk"):
+        return name.removesuffix("-walk"), native.switched_off()
+    return name, contextlib.nullcontext()
+
+
+def _moe_block(x, w, cfg, name: str, layer=None):
+    dispatch, ctx = _dispatch(name)
+    with ctx:
+        return moe.moe_block(x, w, cfg, dispatch, layer)
+
+
+def _run_dispatch(x, r, w, name: str):
+    dispatch, ctx = _dispatch(name)
+    with ctx:
+        return moe.DISPATCH[dispatch](x, r, w, QWEN)
 
 
 @functools.cache
@@ -53,8 +73,7 @@ def _loads(n: int, k: int, n_experts: int, pattern: str) -> np.ndarray:
     return np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n)])
 
 
-_JITTED = {name: jax.jit(functools.partial(lambda x, r, w, name: moe.DISPATCH[name](x, r, w, QWEN), name=name))
-           for name in ("dense", *FAST)}
+_JITTED = {name: jax.jit(functools.partial(_run_dispatch, name=name)) for name in ("dense", *FAST)}
 
 
 @pytest.mark.parametrize(("n_tokens", "pattern"), [
@@ -91,8 +110,9 @@ def test_grouped_swiglu_every_group_size_against_numpy() -> None:
     # Default heights (top 128: every group in one big tile or its binary tail) and a small top
     # height (32: groups of 33..70 rows take several big tiles before the tail).
     for hs in (None, (32, 16, 8)):
-        y = jax.jit(moe.grouped_swiglu, static_argnames="heights")(rows, jnp.asarray(sizes), gate, up, down,
-                                                                  heights=hs)
+        with native.switched_off():  # the tile walk itself (the native kernel ignores tile heights)
+            y = jax.jit(lambda *a, hs=hs: moe.grouped_swiglu(*a, heights=hs))(rows, jnp.asarray(sizes), gate, up,
+                                                                             down)
         for i, (s, n) in enumerate(zip(starts, sizes, strict=True)):
             xe = r[s:s + n]
             h = xe @ g[i]
@@ -128,7 +148,7 @@ def test_moe_block_dispatches_agree_with_real_routing(cfg) -> None:
     x = jax.random.normal(jax.random.key(2), (3, 37, cfg.d_model))
     ref, ref_stats = jax.jit(lambda x, w: moe.moe_block(x, w, cfg, "dense"))(x, w)
     for name in FAST:
-        y, st = jax.jit(lambda x, w, name=name: moe.moe_block(x, w, cfg, name))(x, w)
+        y, st = jax.jit(lambda x, w, name=name: _moe_block(x, w, cfg, name))(x, w)
         np.testing.assert_allclose(y, ref, atol=2e-6, rtol=1e-5, err_msg=name)
         np.testing.assert_allclose(st.load, ref_stats.load)
     assert abs(float(ref_stats.load.sum()) - 1.0) < 1e-6
@@ -140,8 +160,8 @@ def test_layer_stacked_weights_equal_per_layer_weights() -> None:
     stack = _stack(cfg)
     x = jax.random.normal(jax.random.key(5), (2, 19, cfg.d_model))
     per_layer_fn = jax.jit(lambda x, w: moe.moe_block(x, w, cfg, "ragged")[0])
-    stacked_fn = {name: jax.jit(lambda x, w, i, name=name: moe.moe_block(x, w, cfg, name, i)[0])
-                  for name in ("tiled", "dense")}  # a stack-taking strategy and one that gets the layer sliced
+    stacked_fn = {name: jax.jit(lambda x, w, i, name=name: _moe_block(x, w, cfg, name, i)[0])
+                  for name in ("tiled", "tiled-walk", "dense")}  # stack-taking strategies, one given a slice
     for layer in range(cfg.n_moe_layers):
         per_layer = jax.tree.map(lambda a, layer=layer: a[layer], stack)
         stacked = per_layer.replace(gate=stack.gate, up=stack.up, down=stack.down)

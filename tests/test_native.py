@@ -69,6 +69,9 @@ def test_native_is_used_only_where_it_applies(monkeypatch) -> None:
     assert native.GROUPED_SWIGLU in lowered(rows, sizes, gate, up, down)
     bf16 = [jnp.asarray(a, jnp.bfloat16) for a in (rows, gate, up, down)]
     assert native.GROUPED_SWIGLU not in lowered(bf16[0], sizes, *bf16[1:])  # float32 only
+    with native.switched_off():
+        assert native.GROUPED_SWIGLU not in lowered(rows, sizes, gate, up, down)
+    assert native.GROUPED_SWIGLU in lowered(rows, sizes, gate, up, down)
     monkeypatch.setenv("CLOVER_NATIVE", "0")
     assert native.GROUPED_SWIGLU not in lowered(rows, sizes, gate, up, down)
     walk = jax.jit(lambda *a: _grouped(*a))(rows, sizes, gate, up, down, 0)
