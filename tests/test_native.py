@@ -4,7 +4,6 @@ its GEMM, read from the right layer, used only where it applies, and a clean fal
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax import moe, native
 
-HAVE_COMPILER = bool(os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
+HAVE_COMPILER = native.compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler: clover_jax uses its pure-JAX path")
 
 
@@ -101,6 +100,16 @@ def test_native_under_vmap_and_sharding(devices) -> None:
     y = jax.jit(_grouped)(put(rows, ("data", "expert")), sizes, put(gate, None, "expert"), put(up, None, "expert"),
                           put(down, None, "expert"), 1)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_compiler
+def test_unwritable_cache_builds_in_the_temp_directory(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # CLOVER_JAX_CACHE names a file: no directory can be made there
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(blocker))
+    first, fallback = native._cache_dirs()
+    lib = native._build(native.compiler())
+    assert lib.is_file() and lib.parent == fallback and first.parent == blocker
 
 
 def test_failed_build_falls_back_to_pure_jax(tmp_path) -> None:

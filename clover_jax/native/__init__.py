@@ -49,8 +49,13 @@ def unavailable_reason() -> str | None:
     return _reason[0] if _reason else None
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CLOVER_JAX_CACHE") or Path.home() / ".cache" / "clover_jax") / "native"
+def _cache_dirs() -> list[Path]:
+    """Where builds are kept: $CLOVER_JAX_CACHE, else ~/.cache/clover_jax, then the temp directory
+    (a read-only or full home directory should not cost the kernels)."""
+    user = os.environ.get("CLOVER_JAX_CACHE")
+    first = Path(user) if user else Path.home() / ".cache" / "clover_jax"
+    user_id = os.getuid() if hasattr(os, "getuid") else "user"
+    return [first / "native", Path(tempfile.gettempdir()) / f"clover_jax-{user_id}" / "native"]
 
 
 def _cpu_model() -> str:
@@ -70,10 +75,22 @@ def _build(compiler: str) -> Path:
     # -march=native: the build is only good for this CPU model (a home directory may be shared).
     key = " ".join((compiler, *_FLAGS, *_LIBS, jaxlib.__version__, platform.machine(), _cpu_model()))
     key = hashlib.sha256(source + key.encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"clover_native-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
+    name = f"clover_native-{key}.so"
+    for folder in _cache_dirs():
+        if (folder / name).exists():
+            return folder / name
+    for folder in _cache_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as err:  # unwritable: try the next place
+            log.info("cannot build into %s (%s)", folder, err)
+            continue
+        return _compile(compiler, folder / name)
+    raise RuntimeError(f"no writable directory to build the kernels into: {[str(f) for f in _cache_dirs()]}")
+
+
+def _compile(compiler: str, lib: Path) -> Path:
     log.info("building clover_jax's native CPU kernels into %s (once per machine, a few seconds)", lib)
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.name, suffix=".tmp")
     os.close(fd)
@@ -108,13 +125,18 @@ def switched_off() -> Iterator[None]:
         _OFF.pop()
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else c++ or g++ on the PATH."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 @cache
 def _load() -> bool:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler_ = compiler()
     try:
-        if compiler is None:
+        if compiler_ is None:
             raise RuntimeError("no C++ compiler (set CXX or install g++)")
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler_)))
         for name, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as err:  # any failure: the pure-JAX path is always there
