@@ -2,6 +2,7 @@
 // two pools on a small machine fight for the same cores.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
