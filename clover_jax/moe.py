@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from clover_jax import native
 from clover_jax.config import ModelConfig
 from clover_jax.layers import swiglu
 from clover_jax.params import MoEWeights
@@ -245,8 +246,6 @@ def _walk_forward(rows: Array, gate: Array, up: Array, down: Array, layer: Array
 def _grouped_swiglu_forward(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array,
                             starts: Array, heights: tuple[int, ...]) -> Array:
     """The native kernel where it applies (float32 on CPU, see clover_jax.native), else the tile walk."""
-    from clover_jax import native
-
     walk = partial(_walk_forward, heights=heights)
     f32 = all(a.dtype == jnp.float32 for a in (rows, gate, up, down))
     if not (f32 and jax.default_backend() == "cpu" and native.available()):

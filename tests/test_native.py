@@ -39,10 +39,6 @@ def _numpy_swiglu(rows, sizes, gate, up, down, layer: int) -> np.ndarray:
     return out
 
 
-def _grouped(rows, sizes, gate, up, down, layer):
-    return moe.grouped_swiglu(rows, sizes, gate, up, down, layer)
-
-
 @needs_compiler
 @pytest.mark.parametrize(("d", "f", "sizes"), [
     (16, 24, [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 0, 64, 70, 5]),  # narrower than a panel: edge columns only
@@ -51,7 +47,7 @@ def _grouped(rows, sizes, gate, up, down, layer):
 ])
 def test_native_grouped_swiglu_against_numpy(d: int, f: int, sizes: list[int]) -> None:
     rows, sizes_, gate, up, down = _problem(d, f, sizes, pad=5)
-    fn = jax.jit(_grouped)
+    fn = jax.jit(moe.grouped_swiglu)
     assert native.available(), native.unavailable_reason()
     assert native.GROUPED_SWIGLU in fn.lower(rows, sizes_, gate, up, down, 1).as_text()
     y = np.asarray(fn(rows, sizes_, gate, up, down, 1))
@@ -64,7 +60,7 @@ def test_native_grouped_swiglu_against_numpy(d: int, f: int, sizes: list[int]) -
 def test_native_is_used_only_where_it_applies(monkeypatch) -> None:
     rows, sizes, gate, up, down = _problem(16, 24, [3, 5])
     # A fresh function each time: JAX reuses a function's trace, and the switch is read while tracing.
-    lowered = lambda *a: jax.jit(lambda *a: _grouped(*a)).lower(*a, 0).as_text()
+    lowered = lambda *a: jax.jit(lambda *a: moe.grouped_swiglu(*a)).lower(*a, 0).as_text()
     assert native.GROUPED_SWIGLU in lowered(rows, sizes, gate, up, down)
     bf16 = [jnp.asarray(a, jnp.bfloat16) for a in (rows, gate, up, down)]
     assert native.GROUPED_SWIGLU not in lowered(bf16[0], sizes, *bf16[1:])  # float32 only
@@ -73,9 +69,9 @@ def test_native_is_used_only_where_it_applies(monkeypatch) -> None:
     assert native.GROUPED_SWIGLU in lowered(rows, sizes, gate, up, down)
     monkeypatch.setenv("CLOVER_NATIVE", "0")
     assert native.GROUPED_SWIGLU not in lowered(rows, sizes, gate, up, down)
-    walk = jax.jit(lambda *a: _grouped(*a))(rows, sizes, gate, up, down, 0)
+    walk = jax.jit(lambda *a: moe.grouped_swiglu(*a))(rows, sizes, gate, up, down, 0)
     monkeypatch.delenv("CLOVER_NATIVE")
-    again = jax.jit(lambda *a: _grouped(*a))(rows, sizes, gate, up, down, 0)
+    again = jax.jit(lambda *a: moe.grouped_swiglu(*a))(rows, sizes, gate, up, down, 0)
     np.testing.assert_allclose(again, walk, rtol=1e-5, atol=1e-6)
 
 
@@ -83,7 +79,7 @@ def test_native_is_used_only_where_it_applies(monkeypatch) -> None:
 def test_native_refuses_group_sizes_beyond_the_rows() -> None:
     rows, _, gate, up, down = _problem(16, 24, [3, 5])
     with pytest.raises(Exception, match="group sizes exceed the rows"):
-        jax.block_until_ready(jax.jit(_grouped)(rows, np.array([3, 6], np.int32), gate, up, down, 0))
+        jax.block_until_ready(jax.jit(moe.grouped_swiglu)(rows, np.array([3, 6], np.int32), gate, up, down, 0))
 
 
 @needs_compiler
@@ -91,14 +87,15 @@ def test_native_under_vmap_and_sharding(devices) -> None:
     rows, sizes, gate, up, down = _problem(16, 32, [10, 0, 14, 8])
     want = _numpy_swiglu(rows, sizes, gate, up, down, layer=1)
     batch = np.stack([rows, rows[::-1]])
-    y = jax.jit(jax.vmap(_grouped, in_axes=(0, None, None, None, None, None)))(batch, sizes, gate, up, down, 1)
+    batched = jax.vmap(moe.grouped_swiglu, in_axes=(0, None, None, None, None, None))
+    y = jax.jit(batched)(batch, sizes, gate, up, down, 1)
     np.testing.assert_allclose(y[0], want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(y[1], _numpy_swiglu(batch[1], sizes, gate, up, down, 1), rtol=1e-4, atol=1e-5)
     # Rows split over 8 devices, experts over 2: the call still sees whole operands and agrees.
     mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "expert"))  # as clover_jax.layouts builds them
     put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec)))
-    y = jax.jit(_grouped)(put(rows, ("data", "expert")), sizes, put(gate, None, "expert"), put(up, None, "expert"),
-                          put(down, None, "expert"), 1)
+    sharded = [put(w, None, "expert") for w in (gate, up, down)]
+    y = jax.jit(moe.grouped_swiglu)(put(rows, ("data", "expert")), sizes, *sharded, 1)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
 
 
