@@ -43,12 +43,12 @@ def _dir_bytes(path: str) -> int:
 def generate(path: str, size_gb: float, layout: str) -> dict:
     """A synthetic HF checkpoint of about `size_gb`, written one tensor at a time."""
     from clover_jax.config import get_config
-    from clover_jax.convert import LAYOUTS
+    from clover_jax.convert import FAMILIES
     from clover_jax.convert.hf_io import PlannedTensor, ShardedWriter, np_dtype
 
     base = {"llada2_moe": "llada2-mini", "llada_moe": "llada-moe-7b-a1b"}.get(layout, "llada2-mini")
     cfg = get_config(base, n_layers=2)
-    mod = LAYOUTS[layout]
+    mod = FAMILIES[layout]
     per_layer = sum(int(np.prod(s)) * 2 for g in mod.groups(cfg) for k, s in zip(g.hf, g.hf_shapes, strict=True)
                     if ".layers.1." in k)
     fixed = 2 * cfg.vocab_size * cfg.d_model * 2

@@ -128,10 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax import model as M
-    from clover_jax import native
-    from clover_jax.moe import DISPATCH
-    from clover_jax.params import init
+    from clover_jax import model, native
+    from clover_jax.model.moe import DISPATCH
+    from clover_jax.model.params import init
 
     unknown = [d for d in args.dispatch if d.removesuffix("-jax") not in DISPATCH]
     if unknown:
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             # Compiled here, so that a NAME-jax candidate is traced with the native kernels off.
             dispatch = name.removesuffix("-jax")
             with native.switched_off() if name.endswith("-jax") else contextlib.nullcontext():
-                fwd = fwds[name] = jax.jit(lambda w, t, d=dispatch: M.apply(w, cfg, t, dispatch=d)).lower(
+                fwd = fwds[name] = jax.jit(lambda w, t, d=dispatch: model.apply(w, cfg, t, dispatch=d)).lower(
                     weights, tokens).compile()
             calls[name] = lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready()
         times = interleaved_ms(calls, args.runs)

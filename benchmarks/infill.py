@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from clover_jax.checkpoint import load_model
-    from clover_jax.data import read_text, split_text
     from clover_jax.sampler import SamplerConfig, generate
     from clover_jax.tokenizer import load_tokenizer
+    from clover_jax.training import read_text, split_text
 
     ckpt = os.path.abspath(args.checkpoint)  # orbax metadata reads want an absolute path
     cfg, weights = load_model(ckpt)

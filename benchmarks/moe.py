@@ -4,7 +4,7 @@
     python benchmarks/moe.py --tokens 256 --strategies ep_gather ep_a2a
 
 Single-device strategies (dense, ragged, tiled) run on device 0; expert-parallel ones (ep_*) run
-under `sharding.use_mesh` on the `--layout` mesh (default cpu-8: data 2 x expert 4) with the expert
+on the `--layout` mesh (their `mesh=` argument) (default cpu-8: data 2 x expert 4) with the expert
 weights sharded by its rules. Each figure is the median wall time of `--runs` warm calls of one
 jitted (routing + dispatch), compile excluded. FLOPs: the compiler's cost analysis (summed over
 devices for sharded programs) next to the useful count 2*N*(D*E + k*3*D*F). The fake CPU devices
@@ -49,24 +49,25 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from clover_jax import expert_parallel as ep
-    from clover_jax import layouts, moe, sharding
-    from clover_jax import params as P
     from clover_jax.config import get_config
+    from clover_jax.mesh import layouts
+    from clover_jax.mesh.rules import MeshRules
+    from clover_jax.model import moe, params
+    from clover_jax.model.moe import expert_parallel
 
     cfg = get_config("test-clover").replace(
         name="bench-moe", d_model=args.d_model, n_layers=1, n_experts=args.experts, n_experts_per_tok=args.top_k,
         expert_mlp_dim=args.expert_width, n_shared_experts=0, shared_mlp_dim=0, dtype=args.dtype, n_heads=4,
         head_dim=args.d_model // 4)
     rng = np.random.default_rng(0)
-    specs = jax.tree.map(lambda s: s, P.abstract(cfg).moe_layers.mlp, is_leaf=P.is_spec)
+    specs = jax.tree.map(lambda s: s, params.abstract(cfg).moe_layers.mlp, is_leaf=params.is_spec)
     arrays = jax.tree.map(lambda s: (rng.standard_normal(s.shape[1:], np.float32) * 0.05).astype(s.dtype), specs,
-                          is_leaf=P.is_spec)
+                          is_leaf=params.is_spec)
     x = jnp.asarray(rng.standard_normal((args.tokens, cfg.d_model), np.float32).astype(args.dtype))
     layout = layouts.load_layout(args.layout)
     mesh = layouts.make_mesh(layout)
     n_ep = mesh.shape.get("expert", 1)
-    full = sharding.weight_shardings(cfg, mesh, layout.rules).moe_layers.mlp
+    full = params.weight_shardings(cfg, mesh, layout.rules).moe_layers.mlp
     per_layer = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*sh.spec[1:])),
                              full)
     useful = 2 * args.tokens * (cfg.d_model * cfg.n_experts + args.top_k * 3 * cfg.d_model * cfg.expert_mlp_dim)
@@ -85,13 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         w = jax.device_put(arrays, per_layer if sharded else jax.devices()[0])
         xin = jax.device_put(x, jax.devices()[0]) if not sharded else x
 
-        def fn(x, w, dispatch=dispatch):
-            r = moe.route(x, w, cfg)
-            return moe.DISPATCH[dispatch](x, r, w, cfg)
+        on = MeshRules(mesh, layout.rules) if sharded else None
 
-        cf = float(n_ep) if variant == "dropless" else ep.current_capacity_factor()
-        ctx_mesh = sharding.use_mesh(mesh, layout.rules) if sharded else _null()
-        with ctx_mesh, ep.capacity_factor(cf):
+        def fn(x, w, dispatch=dispatch, on=on):
+            r = moe.route(x, w, cfg)
+            return moe.DISPATCH[dispatch](x, r, w, cfg, on)
+
+        cf = float(n_ep) if variant == "dropless" else expert_parallel.current_capacity_factor()
+        with expert_parallel.capacity_factor(cf):
             compiled = jax.jit(fn).lower(xin, w).compile()
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
@@ -106,14 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<17}{ms:>10.1f}{flops / 1e9:>16.2f}{useful / 1e9:>14.2f}{useful / (ms / 1e3) / 1e9:>16.1f}"
               f"{int(dropped):>9}")
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

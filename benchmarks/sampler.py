@@ -53,13 +53,14 @@ def bare_forward_times(cfg, weights, batch: int, p: int, g: int, bl: int, runs: 
     import jax
     import jax.numpy as jnp
 
-    from clover_jax import model as M
-    from clover_jax.layers import attention_mask
+    from clover_jax import model
+    from clover_jax.model import masks
+    from clover_jax.model.masks import attention_mask
 
     t = p + g
     tokens = (jnp.arange(t + g, dtype=jnp.int32)[None] * 7 + jnp.arange(batch)[:, None]) % cfg.vocab_size
     valid = jnp.ones((batch, t + g), bool).at[:, t:].set(False)
-    pos = M.default_positions(valid)
+    pos = masks.positions(valid)
     ids = pos // bl
 
     def window(lo: int, width: int, cache_len: int | None) -> tuple[float, float]:
@@ -68,7 +69,7 @@ def bare_forward_times(cfg, weights, batch: int, p: int, g: int, bl: int, runs: 
             kv, ki = (valid[:, :cache_len], ids[:, :cache_len]) if cache_len else (valid[:, q], ids[:, q])
             mask = attention_mask(valid[:, q], ids[:, q], kv, ki, cfg.is_block_causal)
             toks = (tokens[:, q] + shift) % cfg.vocab_size
-            out = M.forward(w, cfg, toks, pos[:, q], mask, cache, lo, logits_start=0, logits_len=bl)
+            out = model.forward(w, cfg, toks, pos[:, q], mask, cache, lo, logits_start=0, logits_len=bl)
             return out.logits, out.cache
 
         def looped(w, cache):
@@ -77,7 +78,7 @@ def bare_forward_times(cfg, weights, batch: int, p: int, g: int, bl: int, runs: 
                 return c[0] + logits[0, 0, 0], cache
             return jax.lax.fori_loop(0, 8, body, (jnp.float32(0), cache))
 
-        cache = None if cache_len is None else M.init_cache(cfg, batch, cache_len)
+        cache = None if cache_len is None else model.init_cache(cfg, batch, cache_len)
         one, many = jax.jit(f), jax.jit(looped)
         jax.block_until_ready((one(weights, cache, 0), many(weights, cache)))
         sec, _ = best_of(max(runs, 3), lambda: jax.block_until_ready(one(weights, cache, 0)))
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from clover_jax import params
     from clover_jax.commands.generate import default_model
     from clover_jax.config import get_config
+    from clover_jax.model import params
     from clover_jax.sampler import SamplerConfig, generate
 
     model = args.model or default_model()

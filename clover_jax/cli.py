@@ -1,30 +1,35 @@
-"""`clover` command line: each module in clover_jax/commands adds one subcommand.
+"""`clover` command line: one module in clover_jax/commands per subcommand, listed in COMMANDS.
 
-Subcommand modules define `register(subparsers)`; they import heavy dependencies (JAX, torch)
-inside their run functions so that `clover --help` and argument errors stay instant.
+Each command module defines `register(subparsers)` and a `run(args)`. Any `CloverError` (the base of
+every error a user can cause) is printed as one line with exit code 2; anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import sys
 
-from clover_jax import __version__, commands
+from clover_jax.commands import convert, generate, info, plan, tokenizer, train
+from clover_jax.errors import CloverError
+from clover_jax.version import __version__
+
+COMMANDS = (convert, generate, info, plan, tokenizer, train)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `clover` parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="clover", description="Clover-JAX: masked-diffusion MoE language models in JAX.")
     parser.add_argument("--version", action="version", version=f"clover-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        importlib.import_module(f"{commands.__name__}.{mod.name}").register(sub)
+    for command in COMMANDS:
+        command.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `clover ARGV`; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -35,13 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except UserError as e:
+    except CloverError as e:
         print(f"clover {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """Bad input from the command line: printed as one line, exit code 2, no traceback."""
 
 
 if __name__ == "__main__":

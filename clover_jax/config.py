@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from clover_jax.errors import ConfigError
+
 Family = Literal["clover", "llada2_moe", "llada_moe", "qwen3_moe"]
 AttentionMode = Literal["bidirectional", "block_causal"]
 RouterKind = Literal["softmax", "sigmoid"]
@@ -18,9 +20,6 @@ RouterKind = Literal["softmax", "sigmoid"]
 FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 
-
-class ConfigError(ValueError):
-    """A model configuration that cannot describe a working model."""
 
 
 @dataclass(frozen=True)

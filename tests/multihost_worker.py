@@ -26,11 +26,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
 def np_weight_arrays(cfg, seed: int, std: float) -> list[np.ndarray]:
     """The same random weights in every process (and in the single-process reference)."""
-    from clover_jax import params as P
+    from clover_jax.model import params
 
     rng = np.random.default_rng(seed)
     out = []
-    for s in jax.tree.leaves(P.abstract(cfg), is_leaf=P.is_spec):
+    for s in jax.tree.leaves(params.abstract(cfg), is_leaf=params.is_spec):
         a = rng.standard_normal(s.shape, np.float32) * std
         out.append((a + 1.0 if s.init == "ones" else a).astype(s.dtype))
     return out
@@ -62,28 +62,28 @@ def main(process_id: int, port: int, out_dir: str) -> None:
 
     from jax.experimental import multihost_utils
 
-    from clover_jax import layouts, sharding
-    from clover_jax import model as M
-    from clover_jax import params as P
+    from clover_jax import model
     from clover_jax.checkpoint import load_model, save_model
+    from clover_jax.mesh import layouts
+    from clover_jax.model import params
     from clover_jax.sampler import generate
 
-    lay, mesh = layouts.mesh_from_arg(layout_path)
+    on = layouts.mesh_from_arg(layout_path)
     assert jax.process_count() == NUM_PROCESSES and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
     cfg, arrays, tokens, sc = reference_inputs()
-    shardings = sharding.weight_shardings(cfg, mesh, lay.rules)
-    specs = P.abstract(cfg)
-    treedef = jax.tree.structure(specs, is_leaf=P.is_spec)
+    shardings = params.weight_shardings(cfg, on.mesh, on.rules)
+    specs = params.abstract(cfg)
+    treedef = jax.tree.structure(specs, is_leaf=params.is_spec)
     weights = jax.tree.unflatten(treedef, [
         jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx])
         for a, sh in zip(arrays, jax.tree.leaves(shardings), strict=True)])
 
-    from clover_jax import expert_parallel as ep
+    from clover_jax.model.moe import expert_parallel
 
-    with sharding.use_mesh(mesh, lay.rules), ep.capacity_factor(8.0):  # cf = n_ep: ep_a2a cannot drop
-        res = generate(weights, cfg, PROMPTS, sc, dispatch="ep_gather")
+    with expert_parallel.capacity_factor(8.0):  # cf = n_ep: ep_a2a cannot drop
+        res = generate(weights, cfg, PROMPTS, sc, dispatch="ep_gather", mesh=on)
         valid = np.ones(tokens.shape, bool)
-        logits = jax.jit(lambda w, t, v: M.apply(w, cfg, t, v, dispatch="ep_a2a"))(weights, tokens, valid)
+        logits = jax.jit(lambda w, t, v: model.apply(w, cfg, t, v, dispatch="ep_a2a", mesh=on))(weights, tokens, valid)
     logits = multihost_utils.process_allgather(logits, tiled=True)
 
     # Native checkpoint: both processes save their shards into one (atomically renamed) directory,
@@ -92,13 +92,13 @@ def main(process_id: int, port: int, out_dir: str) -> None:
     save_model(ckpt, cfg, weights)
     lay2 = layouts.load_layout("cpu-8")  # data 2 x expert 4: a different sharding of the same weights
     mesh2 = layouts.make_mesh(lay2)
-    target_shardings = sharding.weight_shardings(cfg, mesh2, lay2.rules)
+    target_shardings = params.weight_shardings(cfg, mesh2, lay2.rules)
     _, restored_weights = load_model(ckpt, target_shardings)
-    restored = dict(P.named_leaves(restored_weights))
+    restored = dict(params.named_leaves(restored_weights))
     target = {n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh) for (n, s), (_, sh) in
-              zip(P.named_leaves(specs), P.named_leaves(target_shardings), strict=True)}
+              zip(params.named_leaves(specs), params.named_leaves(target_shardings), strict=True)}
     mismatched = 0
-    for (name, a) in zip([n for n, _ in P.named_leaves(specs)], arrays, strict=True):
+    for (name, a) in zip([n for n, _ in params.named_leaves(specs)], arrays, strict=True):
         arr = restored[name]
         assert arr.sharding == target[name].sharding, name
         for shard in arr.addressable_shards:  # only this process's shards live here

@@ -9,7 +9,7 @@ import pytest
 
 from clover_jax import cli
 from clover_jax.config import ConfigError, ModelConfig, get_config, load_config, preset_names
-from clover_jax.params import abstract, count_params, named_leaves
+from clover_jax.model.params import abstract, count_params, named_leaves
 
 BASE = get_config("test-llada2")  # sigmoid router with groups, dense first layer, shared expert
 

@@ -15,11 +15,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from clover_jax import checkpoint as C
-from clover_jax import model
+from clover_jax import checkpoint, model
 from clover_jax.cli import main
 from clover_jax.config import get_config
-from clover_jax.convert import LAYOUTS, ConversionError, convert
+from clover_jax.convert import FAMILIES, ConversionError, convert
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 PRESETS = {"clover": "test-clover", "llada2_moe": "test-llada2", "llada_moe": "test-llada-moe",
@@ -51,7 +50,7 @@ def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16, fused: 
     """Random tensors for every key the layout defines; norms/router/bias in `small_dtype`."""
     rng = np.random.default_rng(seed)
     out = {}
-    for g in LAYOUTS[layout].groups(cfg, fused_experts=fused):
+    for g in FAMILIES[layout].groups(cfg, fused_experts=fused):
         for k, s in zip(g.hf, g.hf_shapes, strict=True):
             dt = np.dtype(cfg.dtype) if g.kind == "matmul" else small_dtype
             out[k] = (rng.standard_normal(s, np.float32) * 0.1).astype(dt)
@@ -74,20 +73,20 @@ def no_leftovers(parent, allowed=()) -> None:
 
 @pytest.mark.parametrize("layout", [*sorted(PRESETS), "qwen3_moe-fused"])
 def test_hf_native_hf_bit_exact(tmp_path, monkeypatch, layout):
-    import clover_jax.convert as CV
+    from clover_jax.convert import pipeline
 
     # embed / lm_head in many row blocks (the last one short), routed experts in parts of a layer
-    monkeypatch.setattr(CV, "ROW_BLOCK_BYTES", 5000)
+    monkeypatch.setattr(pipeline, "ROW_BLOCK_BYTES", 5000)
     fused = layout.endswith("-fused")  # transformers 5's in-memory experts: gate_up_proj [E, 2F, D], down_proj
     layout = layout.removesuffix("-fused")
     cfg = get_config(PRESETS[layout], dtype="bfloat16")
     tensors = synthetic_tensors(cfg, layout, fused=fused)
     assert fused == ("model.layers.1.mlp.experts.gate_up_proj" in tensors)
-    hf_cfg = LAYOUTS[layout].config_to_hf(cfg)
+    hf_cfg = FAMILIES[layout].config_to_hf(cfg)
     hf_cfg["some_unknown_field"] = [1, 2]  # kept verbatim on the way back
     write_hf(tmp_path / "hf", tensors, hf_cfg)
     convert(str(tmp_path / "hf"), str(tmp_path / "native"), progress=False, mask_token_id=cfg.mask_token_id)
-    cfg2, w = C.load_model(str(tmp_path / "native"))
+    cfg2, w = checkpoint.load_model(str(tmp_path / "native"))
     assert (cfg2.family, cfg2.dtype, cfg2.n_layers, cfg2.n_experts) == (layout, "bfloat16", cfg.n_layers, cfg.n_experts)
     assert w.moe_layers.mlp.gate.shape == (cfg.n_moe_layers, cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim)
     assert w.moe_layers.mlp.router.dtype == np.float32  # norms and router are float32 natively
@@ -113,7 +112,7 @@ def test_native_export_import_keeps_weights(tmp_path):
 
     cfg = get_config("test-clover")
     w = random_weights(cfg, 4)
-    C.save_model(str(tmp_path / "n"), cfg, w)
+    checkpoint.save_model(str(tmp_path / "n"), cfg, w)
     convert(str(tmp_path / "n"), str(tmp_path / "hf"), progress=False)
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["model_type"] == "clover_moe" and hf["attn_output_gate"] is True
@@ -121,7 +120,7 @@ def test_native_export_import_keeps_weights(tmp_path):
     assert keys["model.layers.0.self_attn.gate_proj.weight"].shape == (cfg.n_heads * cfg.head_dim, cfg.d_model)
     assert "model.layers.1.mlp.shared_expert.down_proj.weight" in keys
     convert(str(tmp_path / "hf"), str(tmp_path / "n2"), progress=False)
-    cfg2, w2 = C.load_model(str(tmp_path / "n2"))
+    cfg2, w2 = checkpoint.load_model(str(tmp_path / "n2"))
     assert cfg2 == cfg
     _assert_equal(w, w2)
 
@@ -175,7 +174,7 @@ def test_llada2_public_layout_converts_and_runs(tmp_path):
     write_hf(tmp_path / "hf", tensors, _llada2_hf_config(cfg), n_files=3)
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "n"), "--no-progress",
                  "--mask-token-id", "255"]) == 0
-    cfg2, w = C.load_model(str(tmp_path / "n"))
+    cfg2, w = checkpoint.load_model(str(tmp_path / "n"))
     assert (cfg2.router, cfg2.n_dense_layers, cfg2.attention, cfg2.rotary_dim) == ("sigmoid", 1, "block_causal", 8)
     # The fused q/k/v rows split as [q heads | k heads | v heads].
     qkv = tensors["model.layers.2.attention.query_key_value.weight"].astype(np.float32)
@@ -207,7 +206,7 @@ def test_qwen3_moe_matches_transformers(tmp_path):
                 p.add_(0.3 * torch.randn_like(p))
     ref.save_pretrained(tmp_path / "hf")
     convert(str(tmp_path / "hf"), str(tmp_path / "n"), progress=False)
-    cfg, w = C.load_model(str(tmp_path / "n"))
+    cfg, w = checkpoint.load_model(str(tmp_path / "n"))
     assert (cfg.family, cfg.mask_token_id, cfg.attention) == ("qwen3_moe", 127, "bidirectional")
     ids = np.random.default_rng(1).integers(0, 127, (2, 12))
     mask = torch.ones(2, 1, 12, 12, dtype=torch.bool)  # full bidirectional
@@ -225,7 +224,7 @@ def test_qwen3_moe_matches_transformers(tmp_path):
 def hf_dir(tmp_path):
     cfg = get_config("test-qwen3-moe", dtype="bfloat16")
     tensors = synthetic_tensors(cfg, "qwen3_moe")
-    hf_cfg = LAYOUTS["qwen3_moe"].config_to_hf(cfg)
+    hf_cfg = FAMILIES["qwen3_moe"].config_to_hf(cfg)
     return cfg, tensors, hf_cfg
 
 
@@ -236,7 +235,7 @@ def hf_dir(tmp_path):
     ("dtype", r"model\.layers\.1\.self_attn\.o_proj\.weight is float16, the model is bfloat16"),
     ("config", r"model\.embed_tokens\.weight is \(256, 64\), expected \(256, 32\)"),
     ("truncated", r"truncated"),
-    ("layout", r"cannot tell the layout"),
+    ("family", r"cannot tell the family"),
 ])
 def test_bad_hf_input_is_refused_and_leaves_nothing(tmp_path, hf_dir, damage, message):
     _, tensors, hf_cfg = hf_dir
@@ -252,7 +251,7 @@ def test_bad_hf_input_is_refused_and_leaves_nothing(tmp_path, hf_dir, damage, me
             np.float16)
     elif damage == "config":
         hf_cfg = {**hf_cfg, "hidden_size": 32}
-    elif damage == "layout":
+    elif damage == "family":
         hf_cfg = {**hf_cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     src = tmp_path / "src"
     write_hf(src, tensors, hf_cfg)
@@ -280,7 +279,7 @@ def test_existing_destination_needs_force(tmp_path, hf_dir, capsys):
     assert (tmp_path / "dst" / "keep.txt").read_text() == "mine"
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--no-progress", "--force"]) == 0
     assert not (tmp_path / "dst" / "keep.txt").exists()
-    assert C.load_checkpoint_config(str(tmp_path / "dst")).family == "qwen3_moe"
+    assert checkpoint.load_checkpoint_config(str(tmp_path / "dst")).family == "qwen3_moe"
     no_leftovers(tmp_path, {"src", "dst"})
 
 
@@ -296,7 +295,7 @@ def test_pickle_needs_allow_pickle(tmp_path, hf_dir):
         convert(str(src), str(tmp_path / "dst"), progress=False)
     assert not (tmp_path / "dst").exists()
     convert(str(src), str(tmp_path / "dst"), progress=False, allow_pickle=True)
-    _, w = C.load_model(str(tmp_path / "dst"))
+    _, w = checkpoint.load_model(str(tmp_path / "dst"))
     np.testing.assert_array_equal(np.asarray(w.embed), tensors["model.embed_tokens.weight"])
 
 
@@ -304,7 +303,7 @@ def test_killed_conversion_leaves_no_destination(tmp_path):
     """SIGKILL once the progress bar shows: no destination, only a temp dir (named *.tmp-*)."""
     cfg = get_config("test-qwen3-moe", dtype="float32", n_layers=40, n_experts=32, expert_mlp_dim=128)
     write_hf(tmp_path / "src", synthetic_tensors(cfg, "qwen3_moe", small_dtype=np.float32),
-             LAYOUTS["qwen3_moe"].config_to_hf(cfg), n_files=1)
+             FAMILIES["qwen3_moe"].config_to_hf(cfg), n_files=1)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "clover_jax.cli", "convert", str(tmp_path / "src"),
                              str(tmp_path / "dst")], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)

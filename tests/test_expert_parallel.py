@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax import expert_parallel as ep
-from clover_jax import layouts, moe, sharding
-from clover_jax import model as M
-from clover_jax import params as P
+from clover_jax import model
 from clover_jax.config import get_config
+from clover_jax.mesh import layouts
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import masks, moe, params
+from clover_jax.model.moe import expert_parallel
 
 DROPLESS = ["ep_gather", "ep_a2a"]  # ep_a2a with capacity factor = n_ep, which can never drop
 
@@ -26,8 +27,8 @@ def _layout(tmp_path, shape, name="custom"):
 def np_weights(cfg, seed, shardings=None, std=None):
     """Random weights from numpy placed with device_put: no init compile, so tests stay fast."""
     rng = np.random.default_rng(seed)
-    specs = P.abstract(cfg)
-    flat, treedef = jax.tree.flatten(specs, is_leaf=P.is_spec)
+    specs = params.abstract(cfg)
+    flat, treedef = jax.tree.flatten(specs, is_leaf=params.is_spec)
     shards = [None] * len(flat) if shardings is None else jax.tree.leaves(shardings)
     leaves = []
     for s, sh in zip(flat, shards, strict=True):
@@ -45,14 +46,15 @@ def _moe_inputs(cfg, n_tokens, seed=0):
 
 def _run(name, x, mw, cfg, mesh, rules, cf=None):
     mw = jax.device_put(mw, jax.tree.map(lambda s: s, _moe_shardings(cfg, mesh, rules)))
-    with sharding.use_mesh(mesh, rules), ep.capacity_factor(cf or mesh.shape["expert"]):
+    on = MeshRules(mesh, rules)
+    with expert_parallel.capacity_factor(cf or mesh.shape["expert"]):
         r = moe.route(x, mw, cfg)
-        y, dropped = jax.jit(lambda x, r, w: moe.DISPATCH[name](x, r, w, cfg))(x, r, mw)
+        y, dropped = jax.jit(lambda x, r, w: moe.DISPATCH[name](x, r, w, cfg, on))(x, r, mw)
     return np.asarray(y), int(dropped)
 
 
 def _moe_shardings(cfg, mesh, rules):
-    full = sharding.weight_shardings(cfg, mesh, rules)
+    full = params.weight_shardings(cfg, mesh, rules)
     specs = jax.tree.map(lambda s: s.spec, full.moe_layers.mlp)
     # drop the leading `layers` dim of each spec: we feed a single layer
     return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s[1:])), specs,
@@ -77,7 +79,7 @@ def test_local_matmul_variants_agree(devices):
     ref, _ = moe.DISPATCH["dense"](x, moe.route(x, mw, cfg), mw, cfg)
     lay = layouts.load_layout("cpu-8")
     for impl in ("dense", "ragged"):  # the default on CPU, `tiled`, is covered above
-        with ep.local_matmul(impl):
+        with expert_parallel.local_matmul(impl):
             y, _ = _run("ep_gather", x, mw, cfg, layouts.make_mesh(lay), lay.rules)
         np.testing.assert_allclose(y, np.asarray(ref), atol=1e-5, err_msg=impl)
 
@@ -89,17 +91,17 @@ def test_gradients_equal_dense(tmp_path, devices):
     x, mw = _moe_inputs(cfg, 32)
     lay = _layout(tmp_path, (2, 2, 2))
 
-    def loss(name):
+    def loss(name, mesh=None):
         def f(x, w):
-            y, _ = moe.DISPATCH[name](x, moe.route(x, w, cfg), w, cfg)
+            y, _ = moe.DISPATCH[name](x, moe.route(x, w, cfg), w, cfg, mesh)
             return jnp.sum(y * jnp.sin(y))
         return f
 
     ref = jax.grad(loss("dense"), argnums=(0, 1))(x, mw)
-    mesh = layouts.make_mesh(lay)
+    mesh = lay.mesh_rules()
     for name in DROPLESS:
-        with sharding.use_mesh(mesh, lay.rules), ep.capacity_factor(2.0):  # = n_ep: no drops
-            got = jax.jit(jax.grad(loss(name), argnums=(0, 1)))(x, mw)
+        with expert_parallel.capacity_factor(2.0):  # = n_ep: no drops
+            got = jax.jit(jax.grad(loss(name, mesh), argnums=(0, 1)))(x, mw)
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * float(jnp.abs(b).max()) + 1e-12,
                                        err_msg=f"{name} {jax.tree_util.keystr(path)}")
@@ -121,7 +123,7 @@ def test_a2a_low_capacity_counts_drops(devices):
     ref, _ = moe.DISPATCH["dense"](x, r, mw, cfg)
     lay = layouts.load_layout("cpu-8")  # data 2 x expert 4: 8 token shards of 8 tokens, 16 copies each
     y, dropped = _run("ep_a2a", x, mw, cfg, layouts.make_mesh(lay), lay.rules, cf=0.5)
-    cap = ep.a2a_capacity(16, 4, 0.5)
+    cap = expert_parallel.a2a_capacity(16, 4, 0.5)
     assert cap == 2
     expected = _expected_drops(np.asarray(r.experts), 8, 4, cfg.n_experts // 4, cap)
     assert dropped == expected > 0
@@ -130,15 +132,16 @@ def test_a2a_low_capacity_counts_drops(devices):
 
 def test_capacity_factor_from_env(monkeypatch):
     monkeypatch.setenv("CLOVER_EP_CAPACITY_FACTOR", "1.5")
-    assert ep.current_capacity_factor() == 1.5
-    with ep.capacity_factor(3.0):
-        assert ep.current_capacity_factor() == 3.0
+    assert expert_parallel.current_capacity_factor() == 1.5
+    with expert_parallel.capacity_factor(3.0):
+        assert expert_parallel.current_capacity_factor() == 3.0
     monkeypatch.setenv("CLOVER_EP_CAPACITY_FACTOR", "zero")
     with pytest.raises(ValueError, match="CLOVER_EP_CAPACITY_FACTOR"):
-        ep.current_capacity_factor()
+        expert_parallel.current_capacity_factor()
     monkeypatch.delenv("CLOVER_EP_CAPACITY_FACTOR")
-    assert ep.current_capacity_factor() == ep.CAPACITY_FACTOR
-    assert ep.a2a_capacity(16, 4, 4.0) == 16 and ep.a2a_capacity(16, 4, 1.25) == math.ceil(1.25 * 16 / 4)
+    assert expert_parallel.current_capacity_factor() == expert_parallel.CAPACITY_FACTOR
+    assert expert_parallel.a2a_capacity(16, 4, 4.0) == 16
+    assert expert_parallel.a2a_capacity(16, 4, 1.25) == math.ceil(1.25 * 16 / 4)
 
 
 def test_ragged_a2a_offsets_with_reference_collective(tmp_path, devices, shape=(2, 2, 2)):
@@ -152,7 +155,7 @@ def test_ragged_a2a_offsets_with_reference_collective(tmp_path, devices, shape=(
     if devices[0].platform == "cpu":
         with pytest.raises(NotImplementedError, match="TPU and GPU only"):
             _run("ep_ragged_a2a", x, mw, cfg, mesh, lay.rules)
-    with ep.emulated_ragged_all_to_all():
+    with expert_parallel.emulated_ragged_all_to_all():
         y, dropped = _run("ep_ragged_a2a", x, mw, cfg, mesh, lay.rules)
     assert dropped == 0
     np.testing.assert_allclose(y, np.asarray(ref), atol=1e-5)
@@ -194,7 +197,8 @@ _REF: dict = {}
 def _single_device_logits(cfg, toks, valid):
     if cfg.name not in _REF:
         w = np_weights(cfg, 3)
-        _REF[cfg.name] = np.asarray(jax.jit(lambda w, t, v: M.apply(w, cfg, t, v, dispatch="dense"))(w, toks, valid))
+        dense = jax.jit(lambda w, t, v: model.apply(w, cfg, t, v, dispatch="dense"))
+        _REF[cfg.name] = np.asarray(dense(w, toks, valid))
     return _REF[cfg.name]
 
 
@@ -205,10 +209,11 @@ def test_sharded_forward_equals_single_device(devices, name):
     ref = _single_device_logits(cfg, toks, valid)
     lay = layouts.load_layout("cpu-8")
     mesh = layouts.make_mesh(lay)
-    ws = np_weights(cfg, 3, sharding.weight_shardings(cfg, mesh, lay.rules))
+    ws = np_weights(cfg, 3, params.weight_shardings(cfg, mesh, lay.rules))
     assert ws.moe_layers.mlp.gate.sharding.spec == jax.sharding.PartitionSpec(None, "expert", None, None)
-    with sharding.use_mesh(mesh, lay.rules), ep.capacity_factor(4.0):
-        out = jax.jit(lambda w, t, v: M.apply(w, cfg, t, v, dispatch=name))(ws, toks, valid)
+    on = MeshRules(mesh, lay.rules)
+    with expert_parallel.capacity_factor(4.0):
+        out = jax.jit(lambda w, t, v: model.apply(w, cfg, t, v, dispatch=name, mesh=on))(ws, toks, valid)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 
@@ -217,10 +222,12 @@ def test_forward_reports_drops_in_moe_stats(devices):
     toks, valid = _tokens(cfg, 4, 16)
     lay = layouts.load_layout("cpu-8")
     mesh = layouts.make_mesh(lay)
-    ws = np_weights(cfg, 0, sharding.weight_shardings(cfg, mesh, lay.rules))
-    mask = M.full_mask(cfg, valid)
-    with sharding.use_mesh(mesh, lay.rules), ep.capacity_factor(0.25):
-        out = jax.jit(lambda w: M.forward(w, cfg, toks, M.default_positions(valid), mask, dispatch="ep_a2a"))(ws)
+    ws = np_weights(cfg, 0, params.weight_shardings(cfg, mesh, lay.rules))
+    mask = masks.full_mask(cfg, valid)
+    on = MeshRules(mesh, lay.rules)
+    with expert_parallel.capacity_factor(0.25):
+        out = jax.jit(lambda w: model.forward(w, cfg, toks, masks.positions(valid), mask, dispatch="ep_a2a",
+                                              mesh=on))(ws)
     dropped = np.asarray(out.moe_stats.dropped)  # (the dropless case is the forward test above)
     assert dropped.shape == (cfg.n_moe_layers,) and (dropped > 0).all()
 
@@ -235,9 +242,8 @@ def test_sharded_greedy_generate_equals_single_device(devices):
     ref = generate(np_weights(cfg, 7, std=0.3), cfg, prompts, sc, dispatch="tiled")
     lay = layouts.load_layout("cpu-8")
     mesh = layouts.make_mesh(lay)
-    ws = np_weights(cfg, 7, sharding.weight_shardings(cfg, mesh, lay.rules), std=0.3)
-    with sharding.use_mesh(mesh, lay.rules):
-        got = generate(ws, cfg, prompts, sc, dispatch="ep_gather")
+    ws = np_weights(cfg, 7, params.weight_shardings(cfg, mesh, lay.rules), std=0.3)
+    got = generate(ws, cfg, prompts, sc, dispatch="ep_gather", mesh=MeshRules(mesh, lay.rules))
     assert len(set(np.asarray(ref.raw).reshape(-1).tolist())) > 2  # the model says something
     np.testing.assert_array_equal(np.asarray(got.raw), np.asarray(ref.raw))
     assert got.stats.nfe == ref.stats.nfe

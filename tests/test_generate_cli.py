@@ -10,6 +10,8 @@ import pytest
 
 from clover_jax import cli
 from clover_jax.commands import generate as gen_cmd
+from clover_jax.commands import jobs
+from clover_jax.errors import UsageError
 
 FLAGS = ["--model", "test-clover", "--gen-length", "16", "--block-length", "8"]
 
@@ -53,7 +55,7 @@ def test_batch_job_resumes_after_a_kill(tmp_path, monkeypatch, capsys):
     assert all(r["prompt"] == f"ask {r['id'][1:]}" and {"text", "stats"} <= set(r) for r in ref.values())
 
     # Kill the second batch halfway through writing its lines: a torn line is left on disk.
-    real_append = gen_cmd.append_rows
+    real_append = jobs.append_rows
     calls = []
 
     def dying_append(path, rows):
@@ -65,10 +67,10 @@ def test_batch_job_resumes_after_a_kill(tmp_path, monkeypatch, capsys):
         real_append(path, rows)
 
     out = tmp_path / "out.jsonl"
-    monkeypatch.setattr(gen_cmd, "append_rows", dying_append)
+    monkeypatch.setattr(jobs, "append_rows", dying_append)
     assert cli.main([*args, "--output", str(out)]) == 130
     assert not out.read_text().endswith("\n")
-    monkeypatch.setattr(gen_cmd, "append_rows", real_append)
+    monkeypatch.setattr(jobs, "append_rows", real_append)
     capsys.readouterr()
     assert cli.main([*args, "--output", str(out)]) == 0
     err = capsys.readouterr().err
@@ -111,8 +113,9 @@ def test_checkpoint_directory_model(tmp_path, capsys):
     """--model DIR loads config + weights with checkpoint.load_model (same weights as the preset run)."""
     import jax
 
-    from clover_jax import checkpoint, params
+    from clover_jax import checkpoint
     from clover_jax.config import get_config
+    from clover_jax.model import params
 
     cfg = get_config("test-clover")
     ckpt = checkpoint.save_model(str(tmp_path / "ckpt"), cfg, params.init(cfg, jax.random.key(0)))
@@ -131,10 +134,10 @@ def test_checkpoint_directory_model(tmp_path, capsys):
 def test_refuses_to_append_to_a_file_that_is_not_its_output(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
-    with pytest.raises(cli.UserError, match=r"o\.jsonl:2"):
-        gen_cmd.finished_ids(str(out))
+    with pytest.raises(UsageError, match=r"o\.jsonl:2"):
+        jobs.finished_ids(str(out))
     out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "te')
-    assert gen_cmd.finished_ids(str(out)) == {1, 2}
+    assert jobs.finished_ids(str(out)) == {1, 2}
     assert out.read_text() == '{"id": 1}\n{"id": 2}\n'
 
 
@@ -163,5 +166,5 @@ def test_generation_config_sets_defaults_and_flags_win(tmp_path):
     assert (sc.temperature, sc.top_k, sc.remasking) == (0.0, 0, "margin")
     assert gen_cmd.sampler_config(parser.parse_args(["generate", "x"]), {}).temperature == 0.0
     (tmp_path / "generation_config.json").write_text("{not json")
-    with pytest.raises(cli.UserError, match=r"generation_config\.json"):
+    with pytest.raises(UsageError, match=r"generation_config\.json"):
         gen_cmd.model_sampler_defaults(str(tmp_path))

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax import model as M
+from clover_jax import model
 from clover_jax.config import get_config
-from clover_jax.params import init
+from clover_jax.model import masks
+from clover_jax.model.params import init
 
 CLOVER = get_config("test-clover")  # block-causal, blocks of 8, output gate, partial rotary, shared expert
 LLADA2 = get_config("test-llada2")  # block-causal, sigmoid router, first layer dense
@@ -25,7 +26,7 @@ def _weights(cfg):
 
 @functools.cache
 def _apply(cfg, dispatch: str | None = None):
-    return jax.jit(lambda w, t, valid: M.apply(w, cfg, t, valid, dispatch=dispatch))
+    return jax.jit(lambda w, t, valid: model.apply(w, cfg, t, valid, dispatch=dispatch))
 
 
 def _logits(cfg, tokens, valid=None, dispatch: str | None = None) -> np.ndarray:
@@ -68,7 +69,7 @@ def test_block_causal_semantics() -> None:
 
 def test_block_causal_mask_shape() -> None:
     valid = jnp.array([[True] * 10 + [False] * 6])
-    mask = np.asarray(M.full_mask(CLOVER, valid))[0]
+    mask = np.asarray(masks.full_mask(CLOVER, valid))[0]
     q, k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
     want = (k // 8 <= q // 8) & (k < 10)
     np.testing.assert_array_equal(mask, want)
@@ -121,7 +122,7 @@ def test_remat_and_layer_stack_paths_agree() -> None:
     valid = jnp.ones(tokens.shape, bool)
 
     def run(w, remat):
-        return M.forward(w, cfg, tokens, M.default_positions(valid), M.full_mask(cfg, valid), dispatch="tiled",
+        return model.forward(w, cfg, tokens, masks.positions(valid), masks.full_mask(cfg, valid), dispatch="tiled",
                          remat=remat).logits
 
     g = jax.jit(jax.value_and_grad(lambda w, remat: jnp.sum(jnp.tanh(run(w, remat)))), static_argnums=1)

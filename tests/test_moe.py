@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax import moe, native
+from clover_jax import native
 from clover_jax.config import get_config
-from clover_jax.params import init
+from clover_jax.model import moe
+from clover_jax.model.params import init
 
 QWEN = get_config("test-qwen3-moe")  # softmax router, 8 experts, top-2
 LLADA2 = get_config("test-llada2")  # sigmoid router + expert bias, 4 groups keep 2, x2.5, shared expert
@@ -126,7 +127,7 @@ def test_counting_sort_equals_stable_argsort(n_copies: int, n_experts: int, monk
     """Both ways of grouping copies by expert give the stable order: every copy's row, group sizes."""
     flat_e = jax.random.randint(jax.random.key(n_copies), (n_copies,), 0, n_experts // 2) * 2  # odd experts empty
     counted = moe.expert_positions(flat_e, n_experts)
-    monkeypatch.setattr(moe, "COUNTING_SORT_MAX", 0)
+    monkeypatch.setattr(moe.sorting, "COUNTING_SORT_MAX", 0)
     sorted_ = moe.expert_positions(flat_e, n_experts)
     want_rows = np.argsort(np.argsort(np.asarray(flat_e), kind="stable"), kind="stable")
     want_sizes = np.bincount(np.asarray(flat_e), minlength=n_experts)

@@ -25,15 +25,15 @@ def _single_process_reference():
         import multihost_worker as W
     finally:
         sys.path.pop(0)
-    from clover_jax import model as M
-    from clover_jax import params as P
+    from clover_jax import model
+    from clover_jax.model import params
     from clover_jax.sampler import generate
 
     cfg, arrays, tokens, sc = W.reference_inputs()
-    specs = P.abstract(cfg)
-    weights = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=P.is_spec), [jax.device_put(a) for a in arrays])
+    specs = params.abstract(cfg)
+    weights = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=params.is_spec), [jax.device_put(a) for a in arrays])
     res = generate(weights, cfg, W.PROMPTS, sc, dispatch="tiled")
-    logits = M.apply(weights, cfg, jax.numpy.asarray(tokens), dispatch="dense")
+    logits = model.apply(weights, cfg, jax.numpy.asarray(tokens), dispatch="dense")
     return np.asarray(res.raw), res.stats.nfe, np.asarray(logits)
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from clover_jax import moe, native
+from clover_jax import native
+from clover_jax.model import moe
 
 HAVE_COMPILER = native.compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler: clover_jax uses its pure-JAX path")
@@ -115,7 +116,8 @@ def test_failed_build_falls_back_to_pure_jax(tmp_path) -> None:
     np.savez(tmp_path / "problem.npz", rows=rows, sizes=sizes, gate=gate, up=up, down=down)
     script = f"""
 import numpy as np, jax
-from clover_jax import moe, native
+from clover_jax import native
+from clover_jax.model import moe
 p = np.load({str(tmp_path / "problem.npz")!r})
 y = jax.jit(moe.grouped_swiglu)(p["rows"], p["sizes"], p["gate"], p["up"], p["down"], 0)
 np.save({str(tmp_path / "y.npy")!r}, np.asarray(y))

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="parity with transformers needs torch (pip install '.[torch]')")
 transformers = pytest.importorskip("transformers", reason="parity needs transformers (pip install '.[torch]')")
 
-from clover_jax import model as M  # noqa: E402
 from clover_jax.config import get_config  # noqa: E402
-from clover_jax.params import abstract, is_spec  # noqa: E402
+from clover_jax.model import masks, transformer  # noqa: E402
+from clover_jax.model.params import abstract, is_spec  # noqa: E402
 
 CFG = get_config("test-qwen3-moe").replace(n_kv_heads=2, n_layers=2, rope_theta=10000.0)
 
@@ -102,7 +102,7 @@ def _hf_logits(model, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
     # Every query sees every valid key (padding queries too, as in ours): bidirectional.
     mask4 = torch.from_numpy(np.broadcast_to(valid[:, None, None, :], (len(tokens), 1) + valid.shape[1:] * 2)
                              .copy())
-    positions = torch.from_numpy(np.asarray(M.default_positions(jnp.asarray(valid))).astype(np.int64))
+    positions = torch.from_numpy(np.asarray(masks.positions(jnp.asarray(valid))).astype(np.int64))
     with torch.inference_mode():
         return model(input_ids=ids, attention_mask=mask4, position_ids=positions).logits.numpy()
 
@@ -113,7 +113,8 @@ def test_logits_match_transformers_full_mask(models, dispatch: str) -> None:
     tokens = np.asarray(jax.random.randint(jax.random.key(0), (2, 24), 0, CFG.vocab_size))
     valid = np.ones(tokens.shape, bool)
     want = _hf_logits(model, tokens, valid)
-    got = np.asarray(jax.jit(lambda w, t: M.apply(w, CFG, t, dispatch=dispatch))(weights, jnp.asarray(tokens)))
+    apply = jax.jit(lambda w, t: transformer.apply(w, CFG, t, dispatch=dispatch))
+    got = np.asarray(apply(weights, jnp.asarray(tokens)))
     assert np.std(want) > 1.0  # peaked logits: a wrong weight would move them far more than 1e-4
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     # bidirectional really: changing the last token changes transformers' first-position logits too
@@ -129,6 +130,6 @@ def test_logits_match_transformers_padded_batch(models) -> None:
     valid[1, :7] = False  # left padding
     valid[2, 11:] = False  # right padding
     want = _hf_logits(model, tokens, valid)
-    got = np.asarray(jax.jit(lambda w, t, v: M.apply(w, CFG, t, v))(weights, jnp.asarray(tokens),
+    got = np.asarray(jax.jit(lambda w, t, v: transformer.apply(w, CFG, t, v))(weights, jnp.asarray(tokens),
                                                                     jnp.asarray(valid)))
     np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=0)

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from clover_jax import layouts
-from clover_jax import params as P
-from clover_jax import plan as PL
+from clover_jax import plan as clover_plan
 from clover_jax.config import get_config
+from clover_jax.mesh import layouts
+from clover_jax.model import params
 
-needs_libtpu = pytest.mark.skipif(not PL.libtpu_available(),
+needs_libtpu = pytest.mark.skipif(not clover_plan.libtpu_available(),
                                   reason="libtpu is not installed (pip install 'jax[tpu]==0.10.2' to plan for TPUs)")
 
 
@@ -24,18 +24,18 @@ def test_plan_compiles_a_small_config_for_a_tpu_topology(tmp_path):
     # conftest sets JAX_PLATFORMS=cpu: the planner must still reach the TPU compiler through libtpu.
     cfg = get_config("test-clover")
     lay = _tpu_layout(tmp_path)
-    plan = PL.make_plan(cfg, lay, seq_len=64, block=8)
+    plan = clover_plan.make_plan(cfg, lay, seq_len=64, block=8)
     assert plan.method.startswith("compiled for TPU v5") and plan.fits
     for r in plan.passes:
         cp = r.compiled
         assert cp is not None and cp.ok
         # the compiler's per-chip arguments hold at least this chip's share of the weights
         assert cp.memory["argument_size_in_bytes"] >= plan.weights_per_chip
-        assert 0 < cp.hbm_bytes < PL.CHIPS["v5e"].hbm_bytes
+        assert 0 < cp.hbm_bytes < clover_plan.CHIPS["v5e"].hbm_bytes
         # XLA counts the scan body once: its FLOPs match the analytic count taken the same way
-        once = PL.analytic_flops_per_chip(cfg, r.shape, lay, scan_once=True)
+        once = clover_plan.analytic_flops_per_chip(cfg, r.shape, lay, scan_once=True)
         assert 0.8 < cp.flops / once < 1.6, (r.shape.name, cp.flops, once)
-    text = PL.format_plan(plan)
+    text = clover_plan.format_plan(plan)
     assert "HBM per chip (compiler)" in text and "verdict: FITS" in text
 
 
@@ -43,37 +43,37 @@ def test_plan_compiles_a_small_config_for_a_tpu_topology(tmp_path):
 def test_compiler_out_of_memory_is_reported_as_does_not_fit(tmp_path):
     # 40M-token vocabulary replicated (no vocab rule): 20 GB of float32 embeddings per 16 GB chip.
     cfg = get_config("test-clover", vocab_size=40_000_000, max_seq_len=64)
-    plan = PL.make_plan(cfg, _tpu_layout(tmp_path), seq_len=64, block=8)
+    plan = clover_plan.make_plan(cfg, _tpu_layout(tmp_path), seq_len=64, block=8)
     assert not plan.fits
     first = plan.passes[0].compiled
     assert first is not None and not first.ok and "Ran out of memory" in first.error
-    assert "DOES NOT FIT" in PL.format_plan(plan)
+    assert "DOES NOT FIT" in clover_plan.format_plan(plan)
 
 
 def test_gpu_plans_by_arithmetic():
     cfg = get_config("clover-35b-a3b")
-    plan = PL.make_plan(cfg, layouts.load_layout("gpu-8xh100"))
+    plan = clover_plan.make_plan(cfg, layouts.load_layout("gpu-8xh100"))
     assert plan.method == "arithmetic" and plan.fits
     # independent count: experts and vocab split 8 ways (bf16), everything else replicated
-    specs = P.named_leaves(P.abstract(cfg))
+    specs = params.named_leaves(params.abstract(cfg))
     split = sum(s.size for _, s in specs if "experts" in s.axes or "vocab" in s.axes)
     rest = sum(s.size * np.dtype(s.dtype).itemsize for _, s in specs
                if "experts" not in s.axes and "vocab" not in s.axes)
     assert plan.weights_per_chip == pytest.approx(split * 2 / 8 + rest, rel=1e-6)
     # analytic FLOPs of the cached pass: ~2 x active params x tokens plus attention over the cache
-    counts = P.count_params(cfg)
+    counts = params.count_params(cfg)
     matmul = 2 * (counts.active - cfg.vocab_size * cfg.d_model) * 32  # the embedding lookup is not a matmul
     assert plan.passes[0].flops_total == pytest.approx(matmul + 40 * 4 * 16 * 256 * 4096 * 32, rel=0.02)
     one = layouts.Layout("one-h100", (1, 1, 1), ("data", "expert", "tensor"), platform="gpu", chip="h100")
-    small = PL.make_plan(cfg, one)
-    assert not small.fits and "DOES NOT FIT by arithmetic" in PL.format_plan(small)
+    small = clover_plan.make_plan(cfg, one)
+    assert not small.fits and "DOES NOT FIT by arithmetic" in clover_plan.format_plan(small)
 
 
 def test_plan_rejects_bad_requests_before_compiling():
     cfg = get_config("test-clover")
-    with pytest.raises(PL.PlanError, match="multiple of the block length"):
-        PL.make_plan(cfg, layouts.load_layout("gpu-8xh100"), seq_len=50, block=8)
-    with pytest.raises(PL.PlanError, match="chip 'cpu' is not in the plan table"):
-        PL.make_plan(cfg, layouts.load_layout("cpu-8"), seq_len=64)
-    with pytest.raises(PL.PlanError, match="unknown MoE dispatch 'nope'"):
-        PL.make_plan(cfg, layouts.load_layout("gpu-8xh100"), seq_len=64, dispatch="nope")
+    with pytest.raises(clover_plan.PlanError, match="multiple of the block length"):
+        clover_plan.make_plan(cfg, layouts.load_layout("gpu-8xh100"), seq_len=50, block=8)
+    with pytest.raises(clover_plan.PlanError, match="chip 'cpu' is not in the plan table"):
+        clover_plan.make_plan(cfg, layouts.load_layout("cpu-8"), seq_len=64)
+    with pytest.raises(clover_plan.PlanError, match="unknown MoE dispatch 'nope'"):
+        clover_plan.make_plan(cfg, layouts.load_layout("gpu-8xh100"), seq_len=64, dispatch="nope")

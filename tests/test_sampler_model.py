@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from clover_jax import params
 from clover_jax.config import get_config
+from clover_jax.model import params
 from clover_jax.sampler import SamplerConfig, SamplerError, compile_count, generate
 
 # Peaked logits (larger init) so that greedy choices are not decided by float rounding.
@@ -119,13 +119,12 @@ def test_guided_decoding_is_exact_with_a_cache(clover):
 def test_sharded_run_matches_one_device(clover, devices):
     """Under a 2 (data) x 4 (expert) mesh the sampler gives the single-device tokens."""
     cfg, w = clover
-    from clover_jax import layouts, sharding
+    from clover_jax.mesh import layouts
 
-    layout, mesh = layouts.mesh_from_arg("cpu-8")
-    sharded = jax.device_put(w, sharding.weight_shardings(cfg, mesh, layout.rules))
+    mesh = layouts.mesh_from_arg("cpu-8")
+    sharded = jax.device_put(w, params.weight_shardings(cfg, mesh.mesh, mesh.rules))
     ref = generate(w, cfg, PROMPTS[:1], SC.replace(cache="prefix"), batch=2)
-    with sharding.use_mesh(mesh, layout.rules):
-        got = generate(sharded, cfg, PROMPTS[:1], SC.replace(cache="prefix"))
+    got = generate(sharded, cfg, PROMPTS[:1], SC.replace(cache="prefix"), mesh=mesh)
     np.testing.assert_array_equal(got.raw, ref.raw)
 
 

@@ -5,13 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax.sampler_scoring import (
-    STRATEGIES,
+from clover_jax.sampler.scoring import (
+    REMASKING,
     Scores,
     draw_tokens,
     entropy_bound_count,
     filter_logits,
     guide,
+    remasking_index,
     score_tokens,
     select_commits,
     transfer_count,
@@ -63,13 +64,14 @@ def test_scores_match_numpy():
     top2 = -np.sort(-p, -1)[..., :2]
     ent = -(p * np.log(p)).sum(-1)
     expect = {"low_confidence": conf, "margin": top2[..., 0] - top2[..., 1], "entropy": -ent}
+    assert set(REMASKING) == {*expect, "random"}  # every strategy of the table is checked here
     for name, want in expect.items():
-        s = score_tokens(jnp.asarray(logits), jnp.asarray(tokens), jnp.int32(STRATEGIES.index(name)),
+        s = score_tokens(jnp.asarray(logits), jnp.asarray(tokens), jnp.int32(remasking_index(name)),
                          jax.random.key(0))
         np.testing.assert_allclose(s.rank_score, want, rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(s.confidence, conf, rtol=1e-5)
         np.testing.assert_allclose(s.entropy, ent, rtol=1e-5)
-    r = score_tokens(jnp.asarray(logits), jnp.asarray(tokens), jnp.int32(STRATEGIES.index("random")),
+    r = score_tokens(jnp.asarray(logits), jnp.asarray(tokens), jnp.int32(remasking_index("random")),
                      jax.random.key(0)).rank_score
     assert ((np.asarray(r) >= 0) & (np.asarray(r) < 1)).all() and len(np.unique(r)) == r.size
 

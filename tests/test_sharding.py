@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from clover_jax import layouts, sharding
-from clover_jax import params as P
 from clover_jax.config import get_config
+from clover_jax.errors import ShardingError
+from clover_jax.mesh import layouts
+from clover_jax.mesh.rules import MeshRules, ShardingRules, constrain, logical_to_spec
+from clover_jax.model import params
 from clover_jax.plan import CHIPS, weight_bytes_per_chip
 
 REQUIRED = ["cpu-1", "cpu-4", "cpu-8", "tpu-v5e-8", "tpu-v5e-16", "tpu-v5p-8", "tpu-v5p-64", "gpu-1xh200",
@@ -36,7 +38,7 @@ def test_shipped_layouts_load_and_shard_clover_35b():
         # Every accelerator layout divides the flagship model (no ShardingError), and, except the
         # deliberately small v5e-4, its weights fit the chip by arithmetic.
         mesh = AbstractMesh(lay.shape, lay.axes)
-        shardings = sharding.weight_shardings(cfg, mesh, lay.rules)
+        shardings = params.weight_shardings(cfg, mesh, lay.rules)
         total, per_chip = weight_bytes_per_chip(cfg, shardings, dict(zip(lay.axes, lay.shape, strict=True)))
         assert total > 60e9 and per_chip * lay.n_devices >= total, name
         assert (per_chip < CHIPS[lay.chip].hbm_bytes) == (name != "tpu-v5e-4"), (name, per_chip)
@@ -44,10 +46,10 @@ def test_shipped_layouts_load_and_shard_clover_35b():
 
 def test_cpu_layout_meshes(devices):
     for name, shape in [("cpu-1", (1, 1, 1)), ("cpu-4", (1, 4, 1)), ("cpu-8", (2, 4, 1))]:
-        _, mesh = layouts.mesh_from_arg(name)
+        mesh = layouts.mesh_from_arg(name).mesh
         assert tuple(mesh.shape.values()) == shape and mesh.axis_names == ("data", "expert", "tensor")
     assert layouts.mesh_from_arg(None) is None
-    with pytest.raises(sharding.ShardingError, match=r"needs 8 devices .* 4 are available"):
+    with pytest.raises(ShardingError, match=r"needs 8 devices .* 4 are available"):
         layouts.make_mesh(layouts.load_layout("cpu-8"), devices[:4])
 
 
@@ -60,22 +62,22 @@ def test_cpu_layout_meshes(devices):
     ('platform = "fpga"\n[mesh]\nshape = [8]\naxes = ["expert"]\n', "platform 'fpga'"),
 ])
 def test_bad_layouts_are_named(tmp_path, text, match):
-    with pytest.raises(sharding.ShardingError, match=match):
+    with pytest.raises(ShardingError, match=match):
         layouts.load_layout(_write(tmp_path, text))
 
 
 def test_unknown_layout_lists_known():
-    with pytest.raises(sharding.ShardingError, match=r"unknown mesh layout 'nope'.*tpu-v5e-8"):
+    with pytest.raises(ShardingError, match=r"unknown mesh layout 'nope'.*tpu-v5e-8"):
         layouts.load_layout("nope")
 
 
 def test_rule_that_does_not_divide_names_weight_axis_and_sizes(devices):
     cfg = get_config("test-clover")  # 2 kv heads
     mesh = jax.sharding.Mesh(np.array(devices[:4]).reshape(1, 1, 4), ("data", "expert", "tensor"))
-    with pytest.raises(sharding.ShardingError,
+    with pytest.raises(ShardingError,
                        match=r"weight 'moe_layers\.attn\.k' dim 2 \(logical axis 'kv_heads', size 2\) is not "
                              r"divisible by mesh axis 'tensor' of size 4"):
-        sharding.weight_shardings(cfg, mesh)
+        params.weight_shardings(cfg, mesh)
 
 
 def test_cli_reports_the_rule_error_before_compiling(tmp_path, capsys):
@@ -89,35 +91,45 @@ def test_cli_reports_the_rule_error_before_compiling(tmp_path, capsys):
 
 
 def test_logical_to_spec():
-    rules = {"a": "expert", "b": ("data", "expert"), "c": None}
+    rules = ShardingRules(experts="expert", batch=("data", "expert"), vocab=None)
     mesh = AbstractMesh((2, 4, 1), ("data", "expert", "tensor"))
-    assert sharding.logical_to_spec(("a", "c", None), rules, mesh) == PartitionSpec("expert", None, None)
+    assert logical_to_spec(("experts", "vocab", None), rules, mesh) == PartitionSpec("expert", None, None)
     # one mesh axis shards one dim at most; size-1 axes are dropped
-    assert sharding.logical_to_spec(("a", "b"), rules, mesh) == PartitionSpec("expert", "data")
-    assert sharding.logical_to_spec(("b",), {"b": ("tensor", "data")}, mesh) == PartitionSpec("data")
+    assert logical_to_spec(("experts", "batch"), rules, mesh) == PartitionSpec("expert", "data")
+    assert logical_to_spec(("batch",), ShardingRules(batch=("tensor", "data")), mesh) == PartitionSpec("data")
+
+
+def test_rules_table_refuses_a_misspelt_logical_axis(tmp_path):
+    with pytest.raises(TypeError):
+        ShardingRules(expert="expert")  # the logical axis is `experts`
+    with pytest.raises(ShardingError, match=r"unknown logical axes \['expert'\]"):
+        ShardingRules.from_mapping({"expert": "expert"})
+    bad = _write(tmp_path, '[mesh]\nshape = [8]\naxes = ["expert"]\n[rules]\nexpert = "expert"\n', "typo")
+    with pytest.raises(ShardingError, match=r"\[rules\]: unknown logical axes \['expert'\]"):
+        layouts.load_layout(bad)
+    assert layouts.load_layout("cpu-8").rules.experts == "expert"
 
 
 def test_weights_created_straight_into_shardings(devices):
     cfg = get_config("test-clover")
-    lay, mesh = layouts.mesh_from_arg("cpu-8")
-    shardings = sharding.weight_shardings(cfg, mesh, lay.rules)
-    w = P.init(cfg, jax.random.key(0), shardings)
+    mesh_rules = layouts.mesh_from_arg("cpu-8")
+    mesh = mesh_rules.mesh
+    shardings = params.weight_shardings(cfg, mesh, mesh_rules.rules)
+    w = params.init(cfg, jax.random.key(0), shardings)
     gate = w.moe_layers.mlp.gate  # [layers, experts 8, embed, expert_mlp]
     assert gate.sharding == NamedSharding(mesh, PartitionSpec(None, "expert", None, None))
     shapes = {s.data.shape for s in gate.addressable_shards}
     assert shapes == {(cfg.n_moe_layers, cfg.n_experts // 4, cfg.d_model, cfg.expert_mlp_dim)}
-    wanted = dict(P.named_leaves(shardings))
-    for name, leaf in P.named_leaves(w):
+    wanted = dict(params.named_leaves(shardings))
+    for name, leaf in params.named_leaves(w):
         assert leaf.sharding == wanted[name], name
 
 
-def test_constrain_is_a_no_op_without_a_mesh_and_shards_under_one(devices):
+def test_constrain_is_a_no_op_without_a_mesh_and_shards_on_one(devices):
     x = jnp.ones((4, 8, 16))
-    assert sharding.constrain(x, ("batch", "seq", "embed")) is x
-    lay, mesh = layouts.mesh_from_arg("cpu-8")
-    with sharding.use_mesh(mesh, lay.rules):
-        assert sharding.active_mesh()[0] is mesh
-        y = jax.jit(lambda x: sharding.constrain(x * 2, ("batch", "seq", "embed")))(x)
-    assert sharding.active_mesh() is None
-    assert y.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("data", None, None)), 3)
+    assert constrain(x, ("batch", "seq", "embed"), None) is x
+    mesh = layouts.mesh_from_arg("cpu-8")
+    assert isinstance(mesh, MeshRules) and hash(mesh) == hash(layouts.load_layout("cpu-8").mesh_rules())
+    y = jax.jit(lambda x: constrain(x * 2, ("batch", "seq", "embed"), mesh))(x)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh.mesh, PartitionSpec("data", None, None)), 3)
     np.testing.assert_array_equal(np.asarray(y), 2 * np.ones((4, 8, 16)))

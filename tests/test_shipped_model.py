@@ -53,8 +53,7 @@ def test_config_is_the_preset(model) -> None:
 
 @pytest.mark.skipif(not DATA.is_file(), reason=f"held-out text {DATA} is not present")
 def test_eval_loss_on_held_out_text_matches_card(model) -> None:
-    from clover_jax.data import TokenStream, read_text, split_text
-    from clover_jax.train import EvalProtocol, evaluate
+    from clover_jax.training import EvalProtocol, TokenStream, evaluate, read_text, split_text
 
     cfg, weights, tok = model
     proto_d = card_protocol()
@@ -82,7 +81,7 @@ def test_generates_shakespeare_like_text(model) -> None:
     words = re.findall(r"[A-Za-z']+", text)
     assert len(words) >= 15 and text.count("\n") >= 2, text
     if DATA.is_file():  # most generated words are words of the training text (a random model makes up fragments)
-        from clover_jax.data import read_text, split_text
+        from clover_jax.training import read_text, split_text
 
         train_text, _ = split_text(read_text(str(DATA)), card_protocol()["holdout"])
         known = set(re.findall(r"[A-Za-z']+", train_text))

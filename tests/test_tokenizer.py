@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 
 from clover_jax.config import get_config
-from clover_jax.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
-from clover_jax.tokenizer_train import TokenizerTrainError, read_training_text, train_sentencepiece
+from clover_jax.tokenizer import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TokenizerTrainError,
+    load_tokenizer,
+    read_training_text,
+    train_sentencepiece,
+)
 
 WORDS = ["thou", "art", "the", "king", "of", "all", "the", "realm", "and", "I", "thy", "humble", "servant", "shall",
          "obey", "thee", "though", "night", "falls", "upon", "the", "castle", "walls", "where", "fortune", "smiles",

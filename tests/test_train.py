@@ -7,13 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax import losses
-from clover_jax import params as P
 from clover_jax.config import get_config
-from clover_jax.data import Batch, PairDataset, TokenStream
-from clover_jax.model import default_positions, forward, full_mask
-from clover_jax.moe import MoEStats
-from clover_jax.train import EvalProtocol, TrainConfig, evaluate, train
+from clover_jax.model import forward, masks, params
+from clover_jax.model.moe import MoEStats
+from clover_jax.training import Batch, EvalProtocol, PairDataset, TokenStream, TrainConfig, evaluate, losses, train
 
 CFG = get_config("test-clover")  # block-causal, blocks of 8, vocab 256, mask 255
 
@@ -57,8 +54,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
 def test_block_diffusion_mask_quadrants() -> None:
     # Two blocks of 2 tokens, last token of the second row is padding.
     valid = jnp.array([[True] * 4, [True, True, True, False]])
-    blk = default_positions(valid) // 2
-    m = np.asarray(losses.block_diffusion_mask(valid, blk))
+    blk = masks.positions(valid) // 2
+    m = np.asarray(masks.block_diffusion_mask(valid, blk))
     assert m.shape == (2, 8, 8)
     nn, nc, cn, cc = m[0, :4, :4], m[0, :4, 4:], m[0, 4:, :4], m[0, 4:, 4:]
     same = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]], bool)
@@ -73,7 +70,7 @@ def test_block_diffusion_mask_quadrants() -> None:
 
 def test_block_diffusion_logits_equal_inference_context() -> None:
     """Noisy block i in the 2L pass gets exactly the logits of a pass over [clean blocks < i, noisy block i]."""
-    w = P.init(CFG, jax.random.PRNGKey(0))
+    w = params.init(CFG, jax.random.PRNGKey(0))
     bs, nb, b = CFG.block_size, 3, 2
     clean = jax.random.randint(jax.random.PRNGKey(1), (b, bs * nb), 5, 250)
     noisy, _ = losses.corrupt(jax.random.PRNGKey(2), clean, jnp.ones(clean.shape, bool), jnp.full(clean.shape, 0.5),
@@ -83,7 +80,7 @@ def test_block_diffusion_logits_equal_inference_context() -> None:
     for i in range(nb):
         ctx = jnp.concatenate([clean[:, : i * bs], noisy[:, i * bs: (i + 1) * bs]], axis=1)
         v = jnp.ones(ctx.shape, bool)
-        ref = forward(w, CFG, ctx, default_positions(v), full_mask(CFG, v), dispatch="dense").logits[:, i * bs:]
+        ref = forward(w, CFG, ctx, masks.positions(v), masks.full_mask(CFG, v), dispatch="dense").logits[:, i * bs:]
         np.testing.assert_allclose(np.asarray(got[:, i * bs: (i + 1) * bs]), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
@@ -134,21 +131,20 @@ def test_noise_levels_are_stratified() -> None:
 
 
 def test_sharded_training_matches_single_device(devices) -> None:
-    from clover_jax.layouts import load_layout, make_mesh
+    from clover_jax.mesh.layouts import load_layout
 
-    layout = load_layout("cpu-8")
-    mesh = make_mesh(layout)
+    mesh = load_layout("cpu-8").mesh_rules()
     ids = synthetic_ids(4000)
     tc = TrainConfig(steps=2, batch_size=4, seq_len=16, lr=3e-3, warmup_steps=1)
     one = train(CFG, tc, TokenStream(ids, 16, 0), progress=False)
-    sharded = train(CFG, tc, TokenStream(ids, 16, 0), mesh=mesh, rules=layout.rules, progress=False)
+    sharded = train(CFG, tc, TokenStream(ids, 16, 0), mesh=mesh, progress=False)
     np.testing.assert_allclose(sharded.losses, one.losses, rtol=1e-4, atol=1e-5)
     gate = sharded.state.weights.moe_layers.mlp.gate
     assert gate.sharding.spec[1] == "expert"  # experts stayed sharded through the optimizer
 
 
 def test_eval_is_deterministic() -> None:
-    w = P.init(CFG, jax.random.PRNGKey(3))
+    w = params.init(CFG, jax.random.PRNGKey(3))
     ids = synthetic_ids(2000)
     batch = TokenStream(ids, 32, 0).eval_batches(8)
     proto = EvalProtocol(micro_batch=4, n_seqs=8)

@@ -12,10 +12,25 @@ and none is written twice.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
+
+import jax
+
+from clover_jax import shipped
+from clover_jax.checkpoint import load_checkpoint_config, load_model
+from clover_jax.commands import jobs
+from clover_jax.config import ModelConfig, get_config, preset_names
+from clover_jax.errors import CloverError, SamplerError, UsageError
+from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import params
+from clover_jax.sampler import SamplerConfig, SamplerStats, batch_bucket, check_prompts, check_settings, generate
+from clover_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 PLACEHOLDER = "░"
 _RANDOM_WEIGHTS: dict[tuple, Any] = {}
@@ -29,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", help="out.jsonl for --input jobs (appended to; finished ids are skipped)")
     p.add_argument("--model", default=None,
                    help="checkpoint directory (with config.json) or preset name (random weights); "
-                        "default: checkpoints/clover-tiny if present, else the clover-tiny preset")
+                        "default: the shipped clover-tiny model")
     p.add_argument("--gen-length", type=int, default=None,
                    help="tokens to generate (a multiple of --block-length; default 128)")
     p.add_argument("--block-length", type=int, default=None, help="semi-autoregressive block size (default 32)")
@@ -52,70 +67,57 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
     p.add_argument("--show", action="store_true", help="redraw the canvas on stderr as it fills in")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt as is")
-    from clover_jax.layouts import add_mesh_argument
-
     add_mesh_argument(p)
     p.set_defaults(func=run)
 
 
 def default_model() -> str:
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for base in (os.getcwd(), repo):
-        path = os.path.join(base, "checkpoints", "clover-tiny")
-        if os.path.exists(os.path.join(path, "config.json")):
-            return path
-    return "clover-tiny"
+    """The shipped clover-tiny checkpoint (package data), or the clover-tiny preset if it is missing."""
+    return str(shipped.MODEL_DIR) if (shipped.MODEL_DIR / "config.json").is_file() else "clover-tiny"
 
 
-def load(model: str, mesh_name: str | None) -> tuple[Any, Any, Any, Any]:
-    """(cfg, weights, tokenizer, (mesh, rules) or None) for a checkpoint dir or a preset name."""
-    import jax
-
-    from clover_jax import params
-    from clover_jax.cli import UserError
-    from clover_jax.config import ConfigError, get_config, preset_names
-    from clover_jax.sharding import ShardingError
-    from clover_jax.tokenizer import ByteTokenizer, load_tokenizer
-
-    is_dir = os.path.isdir(model)
+def load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenizer, MeshRules | None]:
+    """(cfg, weights, tokenizer, mesh or None) for a checkpoint dir or a preset name; weights placed
+    on the `--mesh` layout when one is given."""
     try:
-        if is_dir:
-            from clover_jax.checkpoint import load_checkpoint_config
+        return _load(model, mesh_name)
+    except CloverError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # e.g. a mesh that this host's devices cannot hold
+        raise UsageError(str(e)) from e
 
-            cfg = load_checkpoint_config(model)
-        else:
-            if model not in preset_names():
-                raise UserError(f"--model {model!r} is neither a checkpoint directory nor a preset "
-                                f"({', '.join(preset_names())})")
-            cfg = get_config(model)
-        mesh_ctx, shardings = None, None
-        if mesh_name:
-            from clover_jax.layouts import mesh_from_arg
-            from clover_jax.sharding import weight_shardings
 
-            layout, mesh = mesh_from_arg(mesh_name)
-            shardings = weight_shardings(cfg, mesh, layout.rules)
-            mesh_ctx = (mesh, layout.rules)
-        if is_dir:
-            from clover_jax.checkpoint import load_model
-
-            cfg, weights = load_model(model, shardings)
+def _load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenizer, MeshRules | None]:
+    is_dir = os.path.isdir(model)
+    if is_dir:
+        cfg = load_checkpoint_config(model)
+    elif model in preset_names():
+        cfg = get_config(model)
+    else:
+        raise UsageError(f"--model {model!r} is neither a checkpoint directory nor a preset "
+                         f"({', '.join(preset_names())})")
+    mesh = mesh_from_arg(mesh_name)
+    shardings = None if mesh is None else params.weight_shardings(cfg, mesh.mesh, mesh.rules)
+    if is_dir:
+        cfg, weights = load_model(model, shardings)
+        try:
             tok = load_tokenizer(model)
-        else:
-            print(f"clover generate: warning: {model!r} is a preset: RANDOM weights and the byte tokenizer "
-                  "(pass --model <checkpoint dir> for a trained model)", file=sys.stderr)
-            key = (model, mesh_name)  # repeated runs in one process (notebooks, tests) reuse the init
-            if key not in _RANDOM_WEIGHTS:
-                _RANDOM_WEIGHTS.clear()
-                _RANDOM_WEIGHTS[key] = params.init(cfg, jax.random.key(0), shardings)
-            weights = _RANDOM_WEIGHTS[key]
-            tok = ByteTokenizer()
-    except (ConfigError, ShardingError, ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
-    return cfg, weights, tok, mesh_ctx
+        except (OSError, RuntimeError) as e:  # sentencepiece raises RuntimeError/OSError on a bad file
+            raise UsageError(f"cannot read the tokenizer in {model}: {e}") from e
+    else:
+        print(f"clover generate: warning: {model!r} is a preset: RANDOM weights and the byte tokenizer "
+              "(pass --model <checkpoint dir> for a trained model)", file=sys.stderr)
+        key = (model, mesh_name)  # repeated runs in one process (notebooks, tests) reuse the init
+        if key not in _RANDOM_WEIGHTS:
+            _RANDOM_WEIGHTS.clear()
+            _RANDOM_WEIGHTS[key] = params.init(cfg, jax.random.key(0), shardings)
+        weights = _RANDOM_WEIGHTS[key]
+        tok = ByteTokenizer()
+    return cfg, weights, tok, mesh
 
 
-def encode(tok: Any, text: str, chat: bool) -> list[int]:
+def encode(tok: Tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of a prompt, through the tokenizer's chat template when `chat` and it has one."""
     if chat:
         templated = tok.apply_chat_template(text)
         if templated is not None:
@@ -123,7 +125,7 @@ def encode(tok: Any, text: str, chat: bool) -> list[int]:
     return tok.encode(text)
 
 
-def render(tok: Any, ids: Any, mask_id: int) -> str:
+def render(tok: Tokenizer, ids: Any, mask_id: int) -> str:
     """Decoded text with each still-masked position shown as a placeholder."""
     out, run = [], []
     for t in ids:
@@ -140,7 +142,8 @@ def render(tok: Any, ids: Any, mask_id: int) -> str:
     return "".join(out)
 
 
-def make_show(tok: Any, cfg: Any, prefix: str) -> Any:
+def make_show(tok: Tokenizer, cfg: ModelConfig, prefix: str) -> Any:
+    """A progress callback that redraws the canvas on stderr (in place on a terminal)."""
     tty = sys.stderr.isatty()
 
     def show(tokens: Any, block: int, nfe: int) -> None:
@@ -154,12 +157,9 @@ def make_show(tok: Any, cfg: Any, prefix: str) -> Any:
     return show
 
 
-# Sampler settings a flag can set; a checkpoint's generation_config.json may change the defaults.
-SAMPLER_DEFAULTS: dict[str, Any] = {
-    "gen_length": 128, "block_length": 32, "steps": None, "remasking": "low_confidence", "threshold": 0.0,
-    "entropy_bound": 0.0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "cfg_scale": 0.0, "cache": "auto",
-    "seed": 0,
-}
+# Sampler settings a flag can set (SamplerConfig's own defaults); generation_config.json may change them.
+SAMPLER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplerConfig)
+                                    if f.name != "eos_stop"}
 _HF_NAMES = {"max_new_tokens": "gen_length"}  # HuggingFace generation_config.json spellings
 
 
@@ -168,13 +168,13 @@ def model_sampler_defaults(model: str) -> dict[str, Any]:
     path = os.path.join(model, "generation_config.json")
     if not os.path.isfile(path):
         return {}
-    from clover_jax.cli import UserError
-
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from e
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: not a JSON object")
     out = {}
     for key, value in doc.items():
         key = _HF_NAMES.get(key, key)
@@ -183,10 +183,8 @@ def model_sampler_defaults(model: str) -> dict[str, Any]:
     return out
 
 
-def sampler_config(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> Any:
+def sampler_config(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplerConfig:
     """Flags first, then the model's generation_config.json, then the built-in defaults."""
-    from clover_jax.sampler import SamplerConfig
-
     settings = dict(SAMPLER_DEFAULTS, **(model_defaults or {}))
     for key in SAMPLER_DEFAULTS:
         if getattr(args, key) is not None:
@@ -194,148 +192,65 @@ def sampler_config(args: argparse.Namespace, model_defaults: dict[str, Any] | No
     return SamplerConfig(**settings, eos_stop=not args.no_eos_stop)
 
 
-# ---- batch jobs ------------------------------------------------------------------------------
-
-
-def read_jobs(path: str) -> list[tuple[Any, str]]:
-    from clover_jax.cli import UserError
-
-    jobs, seen = [], set()
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise UserError(f"cannot read --input {path!r}: {e}") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise UserError(f"{path}:{n}: each line must be an object with a string \"prompt\"")
-        rid = obj.get("id", len(jobs))
-        if rid in seen:
-            raise UserError(f"{path}:{n}: duplicate id {rid!r}")
-        seen.add(rid)
-        jobs.append((rid, obj["prompt"]))
-    return jobs
-
-
-def finished_ids(path: str) -> set:
-    """Ids already in the output. A torn last line (a kill mid-write) is cut off the file first."""
-    from clover_jax.cli import UserError
-
-    if not os.path.exists(path):
-        return set()
-    with open(path, "rb") as f:
-        data = f.read()
-    keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
-    done = set()
-    for n, line in enumerate(keep.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            done.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{path}:{n}: existing output line is not a result row; refusing to append") from e
-    if len(keep) != len(data):
-        print(f"clover generate: dropping a torn last line from {path}", file=sys.stderr)
-        with open(path, "r+b") as f:
-            f.truncate(len(keep))
-            f.flush()
-            os.fsync(f.fileno())
-    return done
-
-
-def append_rows(path: str, rows: list[dict]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def run(args: argparse.Namespace) -> int:
-    from clover_jax.cli import UserError
-
+    """Check every flag and prompt, load the model, then generate (one prompt, or a --input job)."""
     if (args.prompt is None) == (args.input is None):
-        raise UserError("give a prompt or --input prompts.jsonl (not both)")
+        raise UsageError("give a prompt or --input prompts.jsonl (not both)")
     if args.input and not args.output:
-        raise UserError("--input needs --output out.jsonl")
+        raise UsageError("--input needs --output out.jsonl")
     if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise UserError(f"--output {args.output!r}: its directory does not exist")
-    from clover_jax.sampler import SamplerError, check_prompts, check_settings
-
+        raise UsageError(f"--output {args.output!r}: its directory does not exist")
     model = args.model or default_model()
     sc = sampler_config(args, model_sampler_defaults(model) if os.path.isdir(model) else None)
-    try:  # check the knobs before reading or loading anything
-        check_settings(sc)
-    except SamplerError as e:
-        raise UserError(str(e)) from e
-    jobs = read_jobs(args.input) if args.input else [(0, args.prompt)]
-    cfg, weights, tok, mesh_ctx = load(model, args.mesh)
+    check_settings(sc)  # the knobs, before reading or loading anything
+    todo_jobs = jobs.read_jobs(args.input) if args.input else [(0, args.prompt)]
+    cfg, weights, tok, mesh = load(model, args.mesh)
     chat = not args.no_chat_template
-    done = finished_ids(args.output) if args.output else set()
-    todo = [(rid, text) for rid, text in jobs if rid not in done]
+    done = jobs.finished_ids(args.output) if args.output else set()
+    todo = [(rid, text) for rid, text in todo_jobs if rid not in done]
     encoded = [(rid, text, encode(tok, text, chat)) for rid, text in todo]
     for rid, _, ids in encoded:
         try:
             check_prompts(cfg, sc, [ids])
         except SamplerError as e:
-            raise UserError(f"prompt {rid!r}: {e}") from e
+            raise UsageError(f"prompt {rid!r}: {e}") from e
     if args.input and done:
         print(f"clover generate: {len(done)} rows already in {args.output}, {len(todo)} to go", file=sys.stderr)
-
-    import contextlib
-
-    from clover_jax.sharding import use_mesh
-
-    ctx = use_mesh(*mesh_ctx) if mesh_ctx else contextlib.nullcontext()
-    with ctx:
-        if args.input:
-            return _run_batch(args, cfg, weights, tok, sc, encoded)
-        return _run_one(args, cfg, weights, tok, sc, encoded[0][1], encoded[0][2])
+    if args.input:
+        return _run_batch(args, cfg, weights, tok, sc, encoded, mesh)
+    return _run_one(args, cfg, weights, tok, sc, encoded[0][1], encoded[0][2], mesh)
 
 
-def _run_one(args: argparse.Namespace, cfg: Any, weights: Any, tok: Any, sc: Any, text: str, ids: list[int]) -> int:
-    from clover_jax.sampler import generate
-
+def _run_one(args: argparse.Namespace, cfg: ModelConfig, weights: Any, tok: Tokenizer, sc: SamplerConfig, text: str,
+             ids: list[int], mesh: MeshRules | None) -> int:
     show = make_show(tok, cfg, text) if args.show else None
-    res = generate(weights, cfg, [ids], sc, progress=show)
+    res = generate(weights, cfg, [ids], sc, progress=show, mesh=mesh)
     print(tok.decode(res.tokens[0]))
     print(res.stats.line(), file=sys.stderr)
     return 0
 
 
-def _run_batch(args: argparse.Namespace, cfg: Any, weights: Any, tok: Any, sc: Any, encoded: list) -> int:
-    from tqdm import tqdm
+def _run_batch(args: argparse.Namespace, cfg: ModelConfig, weights: Any, tok: Tokenizer, sc: SamplerConfig,
+               encoded: Sequence[tuple[Any, str, list[int]]], mesh: MeshRules | None) -> int:
+    bucket = batch_bucket(args.batch_size, mesh)  # one row count for every batch, the last one included
+    stats: list[SamplerStats] = []
 
-    from clover_jax.sampler import batch_bucket, generate
+    def run_batch(chunk: Sequence[tuple[Any, str, list[int]]]) -> list[dict]:
+        show = make_show(tok, cfg, chunk[0][1]) if args.show else None
+        res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket, mesh=mesh)
+        st = res.stats
+        stats.append(st)
+        return [{"id": rid, "prompt": text, "text": tok.decode(out), "tokens": len(out), "finished": fin,
+                 "stats": {"nfe": st.nfe, "tokens_per_pass": round(st.tokens_per_pass, 4),
+                           "batch_wall_s": round(st.wall_s, 4)}}
+                for (rid, text, _), out, fin in zip(chunk, res.tokens, res.finished, strict=True)]
 
-    bucket = batch_bucket(args.batch_size)  # one row count for every batch, the last one included
-    total_tokens = total_nfe = 0
-    wall = compile_s = 0.0
-    with tqdm(total=len(encoded), desc="generate", unit="prompt", file=sys.stderr) as bar:
-        for start in range(0, len(encoded), args.batch_size):
-            chunk = encoded[start:start + args.batch_size]
-            show = make_show(tok, cfg, chunk[0][1]) if args.show else None
-            res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket)
-            st = res.stats
-            rows = [{"id": rid, "prompt": text, "text": tok.decode(out), "tokens": len(out), "finished": fin,
-                     "stats": {"nfe": st.nfe, "tokens_per_pass": round(st.tokens_per_pass, 4),
-                               "batch_wall_s": round(st.wall_s, 4)}}
-                    for (rid, text, _), out, fin in zip(chunk, res.tokens, res.finished, strict=True)]
-            append_rows(args.output, rows)
-            total_tokens += st.tokens
-            total_nfe += st.nfe
-            wall += st.wall_s
-            compile_s += st.compile_s
-            bar.update(len(chunk))
+    jobs.run_batches(encoded, args.batch_size, args.output, run_batch)
     if encoded:
-        print(f"{total_nfe} forward passes in all, {total_tokens} tokens in {wall:.2f} s "
-              f"({total_tokens / max(wall, 1e-9):.1f} tokens/s); compile {compile_s:.1f} s", file=sys.stderr)
+        tokens, nfe = sum(s.tokens for s in stats), sum(s.nfe for s in stats)
+        wall, compile_s = sum(s.wall_s for s in stats), sum(s.compile_s for s in stats)
+        print(f"{nfe} forward passes in all, {tokens} tokens in {wall:.2f} s "
+              f"({tokens / max(wall, 1e-9):.1f} tokens/s); compile {compile_s:.1f} s", file=sys.stderr)
     return 0

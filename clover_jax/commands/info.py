@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from clover_jax.config import load_config, preset_names
+from clover_jax.model.params import count_params
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="print a config and its total / active parameter counts")
@@ -20,17 +23,11 @@ def _human(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover_jax.cli import UserError
-    from clover_jax.config import ConfigError, load_config, preset_names
-    from clover_jax.params import count_params
-
+    """Print the config's shape and its total / active parameter counts (or the preset names)."""
     if args.list:
         print("\n".join(preset_names()))
         return 0
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        raise UserError(str(e)) from e
+    cfg = load_config(args.config)
     c = count_params(cfg)
     print(f"config            {cfg.name} ({cfg.family})")
     print(f"layers            {cfg.n_layers} ({cfg.n_dense_layers} dense, {cfg.n_moe_layers} MoE)")

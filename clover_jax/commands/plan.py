@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clover_jax.config import load_config
+from clover_jax.errors import PlanError
+from clover_jax.mesh.layouts import load_layout
+from clover_jax.plan import format_plan, make_plan
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -27,24 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover_jax.cli import UserError
-    from clover_jax.config import ConfigError, load_config
-    from clover_jax.layouts import load_layout
-    from clover_jax.plan import PlanError, format_plan, make_plan
-    from clover_jax.sharding import ShardingError
-
-    try:
-        cfg = load_config(args.config)
-        if args.dtype:
-            cfg = cfg.replace(dtype=args.dtype)
-        layout = load_layout(args.mesh)
-        seq_len = min(4096, cfg.max_seq_len) if args.seq_len is None else args.seq_len
-        if seq_len <= 0 or (args.batch is not None and args.batch <= 0):
-            raise PlanError("--seq-len and --batch must be positive")
-        plan = make_plan(cfg, layout, batch=args.batch, seq_len=seq_len, block=args.block,
-                         dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip,
-                         progress=lambda s: print(f"[plan] {s} ...", file=sys.stderr, flush=True))
-    except (ConfigError, ShardingError, PlanError) as e:
-        raise UserError(str(e)) from e
+    """Plan the config on the mesh layout and print the report."""
+    cfg = load_config(args.config)
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
+    layout = load_layout(args.mesh)
+    seq_len = min(4096, cfg.max_seq_len) if args.seq_len is None else args.seq_len
+    if seq_len <= 0 or (args.batch is not None and args.batch <= 0):
+        raise PlanError("--seq-len and --batch must be positive")
+    plan = make_plan(cfg, layout, batch=args.batch, seq_len=seq_len, block=args.block,
+                     dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip,
+                     progress=lambda s: print(f"[plan] {s} ...", file=sys.stderr, flush=True))
     print(format_plan(plan))
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from clover_jax.tokenizer import load_tokenizer, read_training_text, train_sentencepiece
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer", help="train a SentencePiece tokenizer")
@@ -20,15 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover_jax.cli import UserError
-    from clover_jax.tokenizer import load_tokenizer
-    from clover_jax.tokenizer_train import TokenizerTrainError, read_training_text, train_sentencepiece
-
-    try:
-        text = read_training_text(args.input, args.holdout)
-        path = train_sentencepiece(text, args.vocab_size, args.output, args.model_type)
-    except TokenizerTrainError as e:
-        raise UserError(str(e)) from e
+    """Train tokenizer.model from the text file and print its size and compression."""
+    text = read_training_text(args.input, args.holdout)
+    path = train_sentencepiece(text, args.vocab_size, args.output, args.model_type)
     tok = load_tokenizer(args.output)
     n = len(tok.encode(text[:100_000]))
     print(f"wrote {path}: {tok.vocab_size} pieces, {min(len(text), 100_000) / max(n, 1):.2f} characters per token")

@@ -7,6 +7,30 @@ config, tokenizer, MODEL_CARD.md) that `clover generate --checkpoint` reads.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from clover_jax.checkpoint import load_model, save_model
+from clover_jax.commands.model_card import model_card
+from clover_jax.config import load_config
+from clover_jax.errors import UsageError
+from clover_jax.mesh.layouts import mesh_from_arg
+from clover_jax.model import params
+from clover_jax.model.moe import get_dispatch
+from clover_jax.tokenizer import load_tokenizer
+from clover_jax.training import (
+    EvalProtocol,
+    PairDataset,
+    TokenStream,
+    TrainConfig,
+    evaluate,
+    read_text,
+    split_text,
+    train,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,82 +72,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _card(cfg, tc, args, res, final_eval: dict, proto, n_train_tokens: int) -> str:
-    import json
-    import shlex
-    import sys
-
-    from clover_jax.params import count_params
-
-    c = count_params(cfg)
-    cmd = "clover " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    lines = [
-        f"# {cfg.name}",
-        "",
-        "A masked-diffusion mixture-of-experts language model trained by `clover train` "
-        "(block diffusion: each block denoised given the clean blocks before it).",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| parameters | {c.total:,} total, {c.active:,} active per token |",
-        f"| layers / d_model / heads | {cfg.n_layers} / {cfg.d_model} / {cfg.n_heads} q, {cfg.n_kv_heads} kv x "
-        f"{cfg.head_dim} |",
-        f"| experts | {cfg.n_experts} routed (top-{cfg.n_experts_per_tok}, width {cfg.expert_mlp_dim}), "
-        f"{cfg.n_shared_experts} shared (width {cfg.shared_mlp_dim}) |",
-        f"| attention | {cfg.attention}, blocks of {cfg.block_size} |",
-        f"| vocabulary | {cfg.vocab_size} (SentencePiece; pad 0, bos 1, eos 2, mask {cfg.mask_token_id}) |",
-        f"| data | `{args.data or args.sft}` minus its last {args.holdout:.0%} (held out for eval); "
-        f"{n_train_tokens:,} training tokens |",
-        f"| steps | {int(res.state.step)} (cosine schedule over {tc.steps}) x {tc.batch_size} sequences x "
-        f"{tc.seq_len} tokens |",
-        f"| tokens seen | {res.total_tokens:,} |",
-        f"| wall time | {res.total_wall_s / 60:.1f} min of training incl. periodic evals (2 shared CPU cores) |",
-        f"| eval loss (held out) | **{final_eval['eval_loss']:.4f}** nats/token (diffusion bound; see protocol) |",
-        f"| eval masked CE / accuracy | {final_eval['eval_masked_ce']:.4f} / {final_eval['eval_masked_acc']:.3f} |",
-        "",
-        "## Reproduce",
-        "",
-        "```",
-        cmd,
-        "```",
-        "",
-        "## Eval protocol",
-        "",
-        "The held-out split is the last "
-        f"{args.holdout:.0%} of the characters of the data file, tokenized on its own; the eval takes "
-        f"the first {proto.n_seqs} consecutive windows of {tc.seq_len} tokens, masks every block at each noise "
-        "level t of the grid with a fixed seed, and reports the 1/t-weighted masked cross-entropy per token "
-        "averaged over the grid (`clover_jax.train.evaluate`):",
-        "",
-        "```json",
-        json.dumps({**proto.to_dict(), "seq_len": tc.seq_len, "holdout": args.holdout}, indent=2),
-        "```",
-        "",
-        "## Training config",
-        "",
-        "```json",
-        json.dumps(__import__("dataclasses").asdict(tc), indent=2),
-        "```",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
-    import json
-    import os
-
-    import numpy as np
-
-    from clover_jax.cli import UserError
-    from clover_jax.config import ConfigError, load_config
-    from clover_jax.data import DataError, PairDataset, TokenStream, read_text, split_text
-    from clover_jax.tokenizer import load_tokenizer
-    from clover_jax.train import EvalProtocol, TrainConfig, evaluate, train
-
+    """Check every flag, the data and the mesh, then train (resuming from --out) and export."""
     # Everything that can be wrong with the input is checked here, before JAX compiles anything.
+    cfg = load_config(args.config)
     try:
-        cfg = load_config(args.config)
         tc = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
             lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip_norm=args.clip,
@@ -132,74 +85,55 @@ def run(args: argparse.Namespace) -> int:
             dispatch=args.dispatch or ("dense" if args.mesh else "tiled"), remat=args.remat,
             eval_every=args.eval_every, eval_seqs=args.eval_seqs, ckpt_every=args.ckpt_every,
             log_every=args.log_every)
-    except (ConfigError, ValueError) as e:
-        raise UserError(str(e)) from e
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     if not 0.0 < args.holdout < 1.0:
-        raise UserError(f"--holdout must be in (0, 1), got {args.holdout}")
+        raise UsageError(f"--holdout must be in (0, 1), got {args.holdout}")
     for flag, path in (("--data", args.data), ("--sft", args.sft)):
         if path is not None and not os.path.isfile(path):
-            raise UserError(f"{flag} {path!r} does not exist")
+            raise UsageError(f"{flag} {path!r} does not exist")
     if args.tokenizer and not os.path.isdir(args.tokenizer):
-        raise UserError(f"--tokenizer {args.tokenizer!r} is not a directory")
-    from clover_jax.moe import get_dispatch
-
+        raise UsageError(f"--tokenizer {args.tokenizer!r} is not a directory")
     try:
         get_dispatch(tc.dispatch)
     except ValueError as e:
-        raise UserError(f"--dispatch: {e}") from e
+        raise UsageError(f"--dispatch: {e}") from e
     if tc.seq_len > cfg.max_seq_len:
-        raise UserError(f"--seq-len {tc.seq_len} exceeds the config's max_seq_len {cfg.max_seq_len}")
+        raise UsageError(f"--seq-len {tc.seq_len} exceeds the config's max_seq_len {cfg.max_seq_len}")
     tok = load_tokenizer(args.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tok.vocab_size} ids but config {cfg.name!r} has vocab_size "
+        raise UsageError(f"the tokenizer has {tok.vocab_size} ids but config {cfg.name!r} has vocab_size "
                         f"{cfg.vocab_size}")
-    mesh = rules = None
-    if args.mesh:
-        from clover_jax.layouts import mesh_from_arg
-        from clover_jax.sharding import ShardingError, weight_shardings
-
-        try:
-            layout, mesh = mesh_from_arg(args.mesh)
-            rules = layout.rules
-            weight_shardings(cfg, mesh, rules)  # divisibility errors name the weight
-        except ShardingError as e:
-            raise UserError(str(e)) from e
-    try:
-        if args.data:
-            train_text, eval_text = split_text(read_text(args.data), args.holdout)
-            train_ids = np.asarray(tok.encode(train_text), np.int32)
-            eval_ids = np.asarray(tok.encode(eval_text), np.int32)
-            train_data = TokenStream(train_ids, tc.seq_len, tc.seed)
-            eval_data = TokenStream(eval_ids, tc.seq_len, tc.seed)
-            n_train_tokens = len(train_ids)
-        else:
-            eos = cfg.eos_token_id
-            full = PairDataset(args.sft, tok.encode, tc.seq_len, eos, cfg.pad_token_id, tc.seed)
-            train_data, eval_data = full.split(args.holdout)
-            n_train_tokens = int(train_data.loss_mask.sum())
-    except DataError as e:
-        raise UserError(str(e)) from e
+    mesh = mesh_from_arg(args.mesh)
+    if mesh is not None:
+        params.weight_shardings(cfg, mesh.mesh, mesh.rules)  # divisibility errors name the weight
+    if args.data:
+        train_text, eval_text = split_text(read_text(args.data), args.holdout)
+        train_ids = np.asarray(tok.encode(train_text), np.int32)
+        eval_ids = np.asarray(tok.encode(eval_text), np.int32)
+        train_data = TokenStream(train_ids, tc.seq_len, tc.seed)
+        eval_data = TokenStream(eval_ids, tc.seq_len, tc.seed)
+        n_train_tokens = len(train_ids)
+    else:
+        eos = cfg.eos_token_id
+        full = PairDataset(args.sft, tok.encode, tc.seq_len, eos, cfg.pad_token_id, tc.seed)
+        train_data, eval_data = full.split(args.holdout)
+        n_train_tokens = int(train_data.loss_mask.sum())
     init_weights = None
     if args.init_from:
-        from clover_jax.checkpoint import CheckpointError, load_model
-
-        try:
-            icfg, init_weights = load_model(args.init_from)
-        except CheckpointError as e:
-            raise UserError(str(e)) from e
+        icfg, init_weights = load_model(args.init_from)
         if icfg.to_dict() != cfg.to_dict():
-            raise UserError(f"--init-from {args.init_from} holds config {icfg.name!r}, which differs from --config")
+            raise UsageError(f"--init-from {args.init_from} holds config {icfg.name!r}, which differs from --config")
 
-    res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, rules=rules, stop_at=args.stop_at,
+    res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, stop_at=args.stop_at,
                 progress=not args.no_progress, init_weights=init_weights)
     proto = EvalProtocol()
     final = evaluate(res.state.weights, cfg, eval_data.eval_batches(proto.n_seqs), proto, tc.dispatch)
     print(json.dumps({"step": int(res.state.step), **final, "tokens_seen": res.total_tokens,
                       "wall_s": round(res.total_wall_s, 1)}))
     if args.export:
-        from clover_jax.checkpoint import save_model
-
-        card = _card(cfg, tc, args, res, final, proto, n_train_tokens)
+        card = model_card(cfg, tc, args.data or args.sft, args.holdout, res, final, proto, n_train_tokens,
+                          sys.argv[1:])
         save_model(args.export, cfg, res.state.weights, tokenizer_dir=args.tokenizer,
                    extra_files={"MODEL_CARD.md": card}, force=True)
         print(f"wrote {args.export}")

@@ -1,4 +1,4 @@
-"""`clover`: this project's own HuggingFace layout (model_type `clover_moe`).
+"""`clover`: this project's own HuggingFace family (model_type `clover_moe`).
 
 Keys follow Qwen3-MoE, plus what Clover adds:
   model.layers.{i}.self_attn.gate_proj.weight     [heads * head_dim, D]  sigmoid output gate, per head
@@ -15,13 +15,12 @@ import dataclasses
 from typing import Any
 
 from clover_jax.config import ModelConfig
-from clover_jax.convert import common as K
-from clover_jax.convert import mapping as M
+from clover_jax.convert import common, mapping
 from clover_jax.convert.qwen3_moe import ATTN
 
 NAME = "clover"
 ATTN_GATED = {**ATTN, "gate": "gate_proj"}
-_MAPPED = set(K.COMMON_FIELDS) | {"name", "family", "dtype"}
+_MAPPED = set(common.COMMON_FIELDS) | {"name", "family", "dtype"}
 
 
 def detect(hf: dict[str, Any]) -> bool:
@@ -29,19 +28,19 @@ def detect(hf: dict[str, Any]) -> bool:
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
-    f = K.common_from_hf(hf, NAME)
+    f = common.common_from_hf(hf, NAME)
     for field in dataclasses.fields(ModelConfig):
         if field.name not in _MAPPED and field.name in hf:
             f[field.name] = hf[field.name]
-    f["rope_theta"] = K.rope_theta(hf, f.get("rope_theta"))
+    f["rope_theta"] = common.rope_theta(hf, f.get("rope_theta"))
     f["dtype"] = dtype
     if mask_token_id is not None:
         f["mask_token_id"] = mask_token_id
-    return K.make_config(hf.get("name") or name, NAME, f)
+    return common.make_config(hf.get("name") or name, NAME, f)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    out = K.common_to_hf(cfg)
+    out = common.common_to_hf(cfg)
     out.update({k: v for k, v in cfg.to_dict().items() if k not in _MAPPED})
     out.update(model_type="clover_moe", architectures=["CloverMoeForDiffusionLM"], name=cfg.name,
                shared_expert_intermediate_size=cfg.shared_mlp_dim, first_k_dense_replace=cfg.n_dense_layers,
@@ -49,5 +48,5 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
-    return M.qwen_style_groups(cfg, fused_experts, ATTN_GATED, shared_key="mlp.shared_expert")
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    return mapping.qwen_style_groups(cfg, fused_experts, ATTN_GATED, shared_key="mlp.shared_expert")

@@ -1,15 +1,11 @@
-"""Pieces every layout shares: the error type and HF config.json field translation."""
+"""Pieces every HF family shares: config.json field translation."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from clover_jax.config import ConfigError, ModelConfig
-
-
-class ConversionError(ValueError):
-    """Input that cannot be converted; the message names the key, file or field at fault."""
-
+from clover_jax.config import ModelConfig
+from clover_jax.errors import ConfigError, ConversionError
 
 # native field -> HF field, in the Qwen/Llama naming most HF configs share
 COMMON_FIELDS = {
@@ -32,9 +28,9 @@ COMMON_FIELDS = {
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def need(hf: dict[str, Any], field: str, layout: str) -> Any:
+def need(hf: dict[str, Any], field: str, family: str) -> Any:
     if field not in hf or hf[field] is None:
-        raise ConversionError(f"config.json ({layout}) lacks the field {field!r}")
+        raise ConversionError(f"config.json ({family}) lacks the field {field!r}")
     return hf[field]
 
 
@@ -62,7 +58,7 @@ def token_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def common_from_hf(hf: dict[str, Any], layout: str) -> dict[str, Any]:
+def common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
         hf = {**hf, "num_experts": hf["num_local_experts"]}  # what transformers 5 writes for Qwen3-MoE
@@ -71,7 +67,7 @@ def common_from_hf(hf: dict[str, Any], layout: str) -> dict[str, Any]:
             out[native] = token_id(hf[field]) if native.endswith("token_id") else hf[field]
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
         if f not in out:
-            need(hf, COMMON_FIELDS[f], layout)
+            need(hf, COMMON_FIELDS[f], family)
     out.setdefault("n_kv_heads", out["n_heads"])
     out.setdefault("head_dim", out["d_model"] // out["n_heads"])
     for tok in ("eos_token_id", "pad_token_id"):

@@ -19,9 +19,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
-from clover_jax.convert.common import ConversionError
+from clover_jax.errors import ConversionError
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
@@ -33,8 +35,7 @@ NP_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
 def np_dtype(name: str) -> np.dtype:
-    import ml_dtypes
-
+    """The numpy dtype of a numpy dtype name, bfloat16 included."""
     return np.dtype(name) if name != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
 
 
@@ -49,8 +50,6 @@ class SafetensorsSource:
     """Every tensor of a HF directory, indexed from file headers; `get` reads one."""
 
     def __init__(self, directory: str, files: Sequence[str]) -> None:
-        from safetensors import safe_open
-
         self.directory = directory
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[str, Any] = {}
@@ -138,7 +137,7 @@ class PickleSource:
     """PyTorch `.bin` files, only with --allow-pickle: torch.load(weights_only=True, mmap=True)."""
 
     def __init__(self, directory: str, files: Sequence[str]) -> None:
-        import torch
+        import torch  # optional heavy dependency (the `torch` extra), only for --allow-pickle
 
         self.directory = directory
         self.tensors: dict[str, TensorInfo] = {}
@@ -159,7 +158,7 @@ class PickleSource:
         return self.get_rows(key, 0, self.tensors[key].shape[0] if self.tensors[key].shape else 1)
 
     def get_rows(self, key: str, start: int, stop: int) -> np.ndarray:
-        import torch
+        import torch  # optional heavy dependency (see __init__)
 
         t = self._state[key]
         t = (t[start:stop] if t.ndim else t).contiguous()

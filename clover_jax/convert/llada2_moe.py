@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from clover_jax.config import ModelConfig
-from clover_jax.convert import common as K
-from clover_jax.convert import mapping as M
+from clover_jax.convert import common, mapping
 
 NAME = "llada2_moe"
 MASK_TOKEN_ID = 156_895
@@ -25,11 +24,11 @@ def detect(hf: dict[str, Any]) -> bool:
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
-    f = K.common_from_hf(hf, NAME)
+    f = common.common_from_hf(hf, NAME)
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        K.need(hf, key, NAME)
-    K.refuse(bool(hf.get("use_bias")) or bool(hf.get("use_qkv_bias")), "use_bias / use_qkv_bias")
-    K.refuse(hf.get("score_function", "sigmoid") != "sigmoid", f"score_function {hf.get('score_function')!r}")
+        common.need(hf, key, NAME)
+    common.refuse(bool(hf.get("use_bias")) or bool(hf.get("use_qkv_bias")), "use_bias / use_qkv_bias")
+    common.refuse(hf.get("score_function", "sigmoid") != "sigmoid", f"score_function {hf.get('score_function')!r}")
     n_dense = int(hf.get("first_k_dense_replace") or 0)
     n_shared = int(hf.get("num_shared_experts") or 0)
     partial = hf.get("partial_rotary_factor")
@@ -41,18 +40,18 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
              topk_groups=int(hf.get("topk_group") or 1),
              routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
              use_expert_bias=bool(hf.get("moe_router_enable_expert_bias", True)), attention="block_causal",
-             block_size=int(hf.get("block_size") or 32), qk_norm=True, rope_theta=K.rope_theta(hf),
+             block_size=int(hf.get("block_size") or 32), qk_norm=True, rope_theta=common.rope_theta(hf),
              partial_rotary_factor=float(partial if partial is not None else 0.5), dtype=dtype,
              mask_token_id=MASK_TOKEN_ID if mask_token_id is None else mask_token_id)
     f.setdefault("eos_token_id", EOS_TOKEN_ID)
-    return K.make_config(name, NAME, f)
+    return common.make_config(name, NAME, f)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    K.refuse(cfg.attn_output_gate, "llada2_moe has no attention output gate")
-    K.refuse(cfg.router != "sigmoid", "llada2_moe routes with a sigmoid")
-    K.refuse(not cfg.qk_norm, "llada2_moe always uses QK-norm")
-    out = K.common_to_hf(cfg)
+    common.refuse(cfg.attn_output_gate, "llada2_moe has no attention output gate")
+    common.refuse(cfg.router != "sigmoid", "llada2_moe routes with a sigmoid")
+    common.refuse(not cfg.qk_norm, "llada2_moe always uses QK-norm")
+    out = common.common_to_hf(cfg)
     out.update(model_type="llada2_moe", architectures=["LLaDA2MoeModelLM"], first_k_dense_replace=cfg.n_dense_layers,
                intermediate_size=cfg.dense_mlp_dim or None, num_shared_experts=cfg.n_shared_experts,
                n_group=cfg.n_expert_groups, topk_group=cfg.topk_groups,
@@ -63,28 +62,28 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    g = M.ends(cfg, "model.word_embeddings.weight")
+    g = mapping.ends(cfg, "model.word_embeddings.weight")
     for layer in range(cfg.n_layers):
-        stack, i, moe = M.layer_stack(cfg, layer)
+        stack, i, moe = mapping.layer_stack(cfg, layer)
         p = f"model.layers.{layer}"
         a = f"{stack}.attn"
-        g += [M.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (d,)),
-              M.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (d,)),
-              M.fused_qkv(f"{p}.attention.query_key_value.weight", ((f"{a}.q", i), (f"{a}.k", i), (f"{a}.v", i)),
+        g += [mapping.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (d,)),
+              mapping.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (d,)),
+              mapping.fused_qkv(f"{p}.attention.query_key_value.weight", ((f"{a}.q", i), (f"{a}.k", i), (f"{a}.v", i)),
                           d, h, kv, hd),
-              M.linear(f"{p}.attention.dense.weight", (f"{a}.o", i), (h, hd, d), 2),
-              M.copy(f"{p}.attention.query_layernorm.weight", (f"{a}.q_norm", i), (hd,)),
-              M.copy(f"{p}.attention.key_layernorm.weight", (f"{a}.k_norm", i), (hd,))]
+              mapping.linear(f"{p}.attention.dense.weight", (f"{a}.o", i), (h, hd, d), 2),
+              mapping.copy(f"{p}.attention.query_layernorm.weight", (f"{a}.q_norm", i), (hd,)),
+              mapping.copy(f"{p}.attention.key_layernorm.weight", (f"{a}.k_norm", i), (hd,))]
         if moe:
-            g.append(M.linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (d, cfg.n_experts), 1,
+            g.append(mapping.linear(f"{p}.mlp.gate.weight", ("moe_layers.mlp.router", i), (d, cfg.n_experts), 1,
                               kind="float32"))
             if cfg.use_expert_bias:
-                g.append(M.copy(f"{p}.mlp.gate.expert_bias", ("moe_layers.mlp.expert_bias", i), (cfg.n_experts,)))
-            g += M.expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
+                g.append(mapping.copy(f"{p}.mlp.gate.expert_bias", ("moe_layers.mlp.expert_bias", i), (cfg.n_experts,)))
+            g += mapping.expert_groups(f"{p}.mlp.experts", i, cfg, fused_experts)
             if cfg.n_shared_experts:
-                g += M.mlp_groups(f"{p}.mlp.shared_experts", stack, i, "mlp.shared", d, cfg.shared_mlp_dim)
+                g += mapping.mlp_groups(f"{p}.mlp.shared_experts", stack, i, "mlp.shared", d, cfg.shared_mlp_dim)
         else:
-            g += M.mlp_groups(f"{p}.mlp", stack, i, "mlp", d, cfg.dense_mlp_dim)
+            g += mapping.mlp_groups(f"{p}.mlp", stack, i, "mlp", d, cfg.dense_mlp_dim)
     return g

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from clover_jax.config import ModelConfig
-from clover_jax.convert import common as K
-from clover_jax.convert import mapping as M
+from clover_jax.convert import common, mapping
 from clover_jax.convert.qwen3_moe import ATTN
 
 NAME = "llada_moe"
@@ -25,36 +24,36 @@ def detect(hf: dict[str, Any]) -> bool:
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
-    f = K.common_from_hf(hf, NAME)
-    f["expert_mlp_dim"] = int(K.need(hf, "expert_intermediate_size", NAME))
-    K.need(hf, "num_experts", NAME)
-    K.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
-    K.refuse(hf.get("clip_qkv") is not None, "clip_qkv")
-    K.refuse(bool(hf.get("moe_router_enable_expert_bias")),
+    f = common.common_from_hf(hf, NAME)
+    f["expert_mlp_dim"] = int(common.need(hf, "expert_intermediate_size", NAME))
+    common.need(hf, "num_experts", NAME)
+    common.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
+    common.refuse(hf.get("clip_qkv") is not None, "clip_qkv")
+    common.refuse(bool(hf.get("moe_router_enable_expert_bias")),
              "LLaDA-MoE expert bias (added to the routing probabilities; not implemented)")
     freq = hf.get("moe_layer_freq")
     n_layers = f["n_layers"]
     kinds = [1] * n_layers if freq in (None, 1) else list(freq) if isinstance(freq, list) else None
-    K.refuse(kinds is None or len(kinds) != n_layers, f"moe_layer_freq {freq!r}")
+    common.refuse(kinds is None or len(kinds) != n_layers, f"moe_layer_freq {freq!r}")
     n_dense = kinds.index(1) if 1 in kinds else n_layers
-    K.refuse(any(k == 0 for k in kinds[n_dense:]), f"moe_layer_freq {freq}: dense layers must come first")
+    common.refuse(any(k == 0 for k in kinds[n_dense:]), f"moe_layer_freq {freq}: dense layers must come first")
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
     f.update(n_dense_layers=n_dense, dense_mlp_dim=int(hf.get("dense_intermediate_size") or 0) if n_dense else 0,
              n_shared_experts=1 if shared else 0, shared_mlp_dim=shared, router="softmax", norm_topk_prob=False,
-             attention="bidirectional", qk_norm=bool(hf.get("qk_layernorm", True)), rope_theta=K.rope_theta(hf),
+             attention="bidirectional", qk_norm=bool(hf.get("qk_layernorm", True)), rope_theta=common.rope_theta(hf),
              partial_rotary_factor=float(hf.get("partial_rotary_factor") or 1.0), dtype=dtype,
              mask_token_id=MASK_TOKEN_ID if mask_token_id is None else mask_token_id)
     f.setdefault("norm_eps", 1e-5)
     f.pop("n_experts_per_tok", None)
-    f["n_experts_per_tok"] = int(K.need(hf, "num_experts_per_tok", NAME))
-    return K.make_config(name, NAME, f)
+    f["n_experts_per_tok"] = int(common.need(hf, "num_experts_per_tok", NAME))
+    return common.make_config(name, NAME, f)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    K.refuse(cfg.attn_output_gate, "llada_moe has no attention output gate")
-    K.refuse(cfg.router != "softmax" or cfg.use_expert_bias or cfg.norm_topk_prob,
+    common.refuse(cfg.attn_output_gate, "llada_moe has no attention output gate")
+    common.refuse(cfg.router != "softmax" or cfg.use_expert_bias or cfg.norm_topk_prob,
              "llada_moe routes with a softmax and no renormalisation")
-    out = K.common_to_hf(cfg)
+    out = common.common_to_hf(cfg)
     out.pop("moe_intermediate_size")
     out.update(model_type="llada", architectures=["LLaDAMoEModelLM"], expert_intermediate_size=cfg.expert_mlp_dim,
                dense_intermediate_size=cfg.dense_mlp_dim or None,
@@ -65,5 +64,5 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
-    return M.qwen_style_groups(cfg, fused_experts, ATTN, shared_key="shared_expert")
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    return mapping.qwen_style_groups(cfg, fused_experts, ATTN, shared_key="shared_expert")

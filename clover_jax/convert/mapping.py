@@ -88,7 +88,7 @@ def experts(hf_keys: Sequence[str], slot: Slot, e: int, n_in: int, n_out: int) -
 
 
 def fused_experts_gate_up(hf_key: str, slots: tuple[Slot, Slot], e: int, d: int, f: int) -> Group:
-    """transformers 5 in-memory Qwen-MoE layout: gate_up_proj [E, 2F, D] (gate rows first)."""
+    """transformers 5 in-memory Qwen-MoE arrangement: gate_up_proj [E, 2F, D] (gate rows first)."""
 
     def part(a: Sequence[np.ndarray], sl: slice) -> list[np.ndarray]:
         w = _rows(a, 0, sl, e)
@@ -102,7 +102,7 @@ def fused_experts_gate_up(hf_key: str, slots: tuple[Slot, Slot], e: int, d: int,
 
 
 def fused_experts_down(hf_key: str, slot: Slot, e: int, d: int, f: int) -> Group:
-    """transformers 5 in-memory layout: down_proj [E, D, F] <-> native [E, F, D]."""
+    """transformers 5 in-memory arrangement: down_proj [E, D, F] <-> native [E, F, D]."""
     def part(a: Sequence[np.ndarray], sl: slice) -> list[np.ndarray]:
         return [np.ascontiguousarray(_rows(a, 0, sl, e).transpose(0, 2, 1))]
 
@@ -117,7 +117,7 @@ def _rows(a: Sequence[np.ndarray], i: int, sl: slice, n: int) -> np.ndarray:
     return rows(i, start, stop) if rows else a[i][start:stop]
 
 
-# ---- per-layer building blocks shared by the layouts ---------------------------------------------------
+# ---- per-layer building blocks shared by the families -----------------------------------------------------
 
 
 def mlp_groups(prefix: str, stack: str, i: int, sub: str, d: int, f: int) -> list[Group]:

@@ -2,14 +2,14 @@
 
 `convert(src, dst)` picks the direction from `src`: a native checkpoint (config.json with a
 `family` and a `weights/` directory) is exported to HF, anything else is read as HF. Every check
-(layout, config, key set, shapes, dtypes, file integrity) runs before the first byte is written;
+(family, config, key set, shapes, dtypes, file integrity) runs before the first byte is written;
 the destination appears only when complete (temp directory renamed into place).
 
 Memory: tensors are read and written one key-map group at a time (one projection of one layer's
 experts at most), never the whole model.
 
-Layouts: one module each (clover, llada2_moe, llada_moe, qwen3_moe) with `detect`,
-`config_from_hf`, `config_to_hf` and `groups`.
+Families: one module each (clover, llada2_moe, llada_moe, qwen3_moe) with `detect`,
+`config_from_hf`, `config_to_hf` and `groups` (the HF keys of each weight, `mapping`).
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
-from clover_jax import checkpoint as C
+from clover_jax import checkpoint
+from clover_jax.checkpoint import LazyLeaf, WeightReader
+from clover_jax.checkpoint.format import key_problems, summary
 from clover_jax.config import ModelConfig
-from clover_jax.convert import clover, llada2_moe, llada_moe, qwen3_moe
-from clover_jax.convert import hf_io as IO
-from clover_jax.convert import mapping as M
-from clover_jax.convert.common import ConversionError
+from clover_jax.convert import clover, hf_io, llada2_moe, llada_moe, mapping, qwen3_moe
+from clover_jax.errors import ConversionError
 
-LAYOUTS = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe)}
+# The HF families by name (a native config's `family`, or what `--family` names).
+FAMILIES = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe)}
 SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
 IGNORED_KEYS = re.compile(r".*\.rotary_emb\.inv_freq$")
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
-__all__ = ["LAYOUTS", "ConversionError", "convert", "hf_to_native", "is_native", "native_to_hf"]
-
-
 def is_native(path: str) -> bool:
-    cfg = os.path.join(path, C.CONFIG_FILE)
-    if not (os.path.isdir(os.path.join(path, C.WEIGHTS_DIR)) and os.path.isfile(cfg)):
+    """Whether `path` is a native checkpoint (config.json with a `family`, and weights/)."""
+    cfg = os.path.join(path, checkpoint.CONFIG_FILE)
+    if not (os.path.isdir(os.path.join(path, checkpoint.WEIGHTS_DIR)) and os.path.isfile(cfg)):
         return False
     try:
         with open(cfg) as f:
@@ -50,6 +50,10 @@ def is_native(path: str) -> bool:
 
 
 def convert(src: str, dst: str, **kw: Any) -> str:
+    """Convert `src` into `dst` in the other format (native -> HF or HF -> native); returns `dst`'s path.
+
+    Keyword arguments are those of `native_to_hf` / `hf_to_native`; the other direction's are ignored.
+    """
     if not os.path.isdir(src):
         raise ConversionError(f"source {src!r} is not a directory")
     if os.path.lexists(dst) and not kw.get("force"):
@@ -63,18 +67,12 @@ def convert(src: str, dst: str, **kw: Any) -> str:
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=not enabled, mininterval=0.5, dynamic_ncols=True)
 
 
 def _pattern(key: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", key)
-
-
-def _summary(items: list[str], n: int = 6) -> str:
-    return ", ".join(items[:n]) + (f" ... and {len(items) - n} more" if len(items) > n else "")
 
 
 def _read_hf_config(src: str) -> dict[str, Any]:
@@ -91,35 +89,29 @@ def _read_hf_config(src: str) -> dict[str, Any]:
     return hf
 
 
-def _layout_of(hf: dict[str, Any], layout: str | None) -> Any:
-    if layout:
-        if layout not in LAYOUTS:
-            raise ConversionError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-        return LAYOUTS[layout]
-    for mod in LAYOUTS.values():
+def _family_of(hf: dict[str, Any], family: str | None) -> Any:
+    if family:
+        if family not in FAMILIES:
+            raise ConversionError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        return FAMILIES[family]
+    for mod in FAMILIES.values():
         if mod.detect(hf):
             return mod
     raise ConversionError(
-        f"cannot tell the layout from config.json (model_type {hf.get('model_type')!r}, architectures "
-        f"{hf.get('architectures')}); known layouts: {', '.join(LAYOUTS)} (or pass --layout)")
+        f"cannot tell the family from config.json (model_type {hf.get('model_type')!r}, architectures "
+        f"{hf.get('architectures')}); known families: {', '.join(FAMILIES)} (or pass --family)")
 
 
-def _check_tensors(cfg: ModelConfig, groups: list[M.Group], src: Any) -> dict[str, str]:
+def _check_tensors(cfg: ModelConfig, groups: list[mapping.Group], src: Any) -> dict[str, str]:
     """Key set, shapes and dtypes against the config; returns the source dtypes by key pattern
     (`model.layers.*.mlp.gate.weight`), plus by exact key for any tensor that differs from its pattern."""
     expected = {k: (s, g.kind) for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)}
     found = {k: v for k, v in src.tensors.items() if not IGNORED_KEYS.match(k)}
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    extra = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing tensors: {_summary(missing)}")
-    if extra:
-        problems.append(f"unexpected tensors: {_summary(extra)}")
+    problems = key_problems(expected, found, "tensors")
     bad_shapes = [f"{k} is {tuple(found[k].shape)}, expected {tuple(expected[k][0])}"
                   for k in sorted(set(expected) & set(found)) if tuple(found[k].shape) != tuple(expected[k][0])]
     if bad_shapes:
-        problems.append("shapes that disagree with config.json: " + _summary(bad_shapes, 4))
+        problems.append("shapes that disagree with config.json: " + summary(bad_shapes, 4))
     bad_dtypes = []
     dtypes: dict[str, str] = {}
     for k in sorted(set(expected) & set(found)):
@@ -131,7 +123,7 @@ def _check_tensors(cfg: ModelConfig, groups: list[M.Group], src: Any) -> dict[st
         if dtypes.setdefault(_pattern(k), dt) != dt:
             dtypes[k] = dt  # an exception to its pattern, kept so that export restores it exactly
     if bad_dtypes:
-        problems.append("dtypes: " + _summary(bad_dtypes, 4))
+        problems.append("dtypes: " + summary(bad_dtypes, 4))
     if problems:
         raise ConversionError(f"the tensors in {src.directory} do not match a {cfg.family} model "
                               f"as its config.json describes it: " + "; ".join(problems))
@@ -162,7 +154,7 @@ def _rows_per_block(shape: tuple[int, ...], dtype: Any) -> int:
     return max(1, min(shape[0], ROW_BLOCK_BYTES // max(row, 1)))
 
 
-def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> C.LazyLeaf:
+def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> LazyLeaf:
     """embed [V, D] (HF rows = native rows) or lm_head (HF [V, D] rows = native [D, V] columns)."""
     hf_shape = source.tensors[key].shape
     rows = _rows_per_block(hf_shape, spec.dtype)
@@ -174,14 +166,19 @@ def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> C
         return np.ascontiguousarray(a.T) if transpose else a
 
     chunk = (spec.shape[0], rows) if transpose else (rows, spec.shape[1])
-    return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
+    return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
 
-def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: int | None = None,
+def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: int | None = None,
                  allow_pickle: bool = False, force: bool = False, progress: bool = True) -> str:
+    """Import a HuggingFace checkpoint directory as a native one at `dst`; returns its path.
+
+    family: the HF family when config.json does not tell. mask_token_id: for families whose config has
+    none. allow_pickle: accept PyTorch .bin files (read with weights_only=True).
+    """
     hf = _read_hf_config(src)
-    mod = _layout_of(hf, layout)
-    source = IO.open_source(src, allow_pickle)
+    mod = _family_of(hf, family)
+    source = hf_io.open_source(src, allow_pickle)
     try:
         name = os.path.basename(os.path.normpath(src))
         probe = mod.config_from_hf(hf, name, "float32", mask_token_id)
@@ -197,19 +194,19 @@ def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: i
         groups = mod.groups(cfg, fused_experts=fused)
         dtypes = _check_tensors(cfg, groups, source)
 
-        specs = C.expected_leaves(cfg)
-        slot_of: dict[M.Slot, tuple[M.Group, int]] = {}
+        specs = checkpoint.expected_leaves(cfg)
+        slot_of: dict[mapping.Slot, tuple[mapping.Group, int]] = {}
         for g in groups:
             for pos, slot in enumerate(g.native):
                 slot_of[slot] = (g, pos)
         missing = [f"{n}[{i}]" for n, s in specs.items()
                    for i in ([None] if "layers." not in n else range(s.shape[0])) if (n, i) not in slot_of]
-        if missing:  # a layout bug, not bad input
-            raise ConversionError(f"internal: layout {mod.NAME} does not produce {_summary(missing)}")
+        if missing:  # a family module bug, not bad input
+            raise ConversionError(f"internal: family {mod.NAME} does not produce {summary(missing)}")
 
         bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()), "import", progress)
 
-        def lazy(name: str, spec: Any) -> C.LazyLeaf:
+        def lazy(name: str, spec: Any) -> LazyLeaf:
             stacked = "layers." in name
             if name in ("embed", "lm_head"):  # the largest tensors: in row blocks, never whole
                 return _rows_leaf(source, slot_of[(name, None)][0].hf[0], spec, transpose=name == "lm_head", bar=bar)
@@ -231,12 +228,12 @@ def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: i
                 bar.update(out.nbytes)
                 return out[None] if stacked else out
 
-            return C.LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
+            return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
         leaves = {n: lazy(n, s) for n, s in specs.items()}
-        record = {"layout": mod.NAME, "fused_experts": fused, "dtypes": dtypes, "config": hf}
+        record = {"family": mod.NAME, "fused_experts": fused, "dtypes": dtypes, "config": hf}
         try:
-            out = C.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
+            out = checkpoint.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
                                    extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
         finally:
             bar.close()
@@ -245,41 +242,47 @@ def hf_to_native(src: str, dst: str, layout: str | None = None, mask_token_id: i
         source.close()
 
 
-def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                  force: bool = False, progress: bool = True) -> str:
-    reader = C.WeightReader(src)
+    """Export a native checkpoint as HuggingFace safetensors at `dst`; returns its path.
+
+    family: write the tensors as another family names them (default: the checkpoint's own). The config
+    and dtypes an import came from are restored exactly when the config is unchanged.
+    """
+    reader = WeightReader(src)
     cfg = reader.config
     record: dict[str, Any] = {}
     rec_path = os.path.join(src, SOURCE_FILE)
     if os.path.isfile(rec_path):
         with open(rec_path) as f:
             record = json.load(f)
-    name = layout or record.get("layout") or cfg.family
-    if name not in LAYOUTS:
-        raise ConversionError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
-    mod = LAYOUTS[name]
-    hf_cfg = mod.config_to_hf(cfg)  # refuses configs the layout cannot express
-    source_cfg = record.get("config") if record.get("layout") == name else None
+    recorded = record.get("family", record.get("layout"))  # "layout": the record's key before 0.2
+    name = family or recorded or cfg.family
+    if name not in FAMILIES:
+        raise ConversionError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+    mod = FAMILIES[name]
+    hf_cfg = mod.config_to_hf(cfg)  # refuses configs the family cannot express
+    source_cfg = record.get("config") if recorded == name else None
     if source_cfg is not None:
         # Unchanged config: write the original file back verbatim; else update it with the new values.
         same = mod.config_from_hf(source_cfg, cfg.name, cfg.dtype, cfg.mask_token_id) == cfg
         hf_cfg = source_cfg if same else {**source_cfg, **hf_cfg}
     groups = mod.groups(cfg, fused_experts=bool(record.get("fused_experts")) and source_cfg is not None)
     dtypes = record.get("dtypes", {}) if source_cfg is not None else {}
-    specs = C.expected_leaves(cfg)
+    specs = checkpoint.expected_leaves(cfg)
 
-    def out_dtype(key: str, slot: M.Slot) -> str:
+    def out_dtype(key: str, slot: mapping.Slot) -> str:
         return dtypes.get(key) or dtypes.get(_pattern(key)) or np.dtype(specs[slot[0]].dtype).name
 
-    plan = [IO.PlannedTensor(k, tuple(s), out_dtype(k, g.native[0]))
+    plan = [hf_io.PlannedTensor(k, tuple(s), out_dtype(k, g.native[0]))
             for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)]
     bar = _progress(sum(t.nbytes for t in plan), "export", progress)
     try:
-        with C.atomic_directory(dst, force) as tmp:
+        with checkpoint.atomic_directory(dst, force) as tmp:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(hf_cfg, f, indent=2, sort_keys=True)
-            C.copy_tokenizer_files(src, tmp)
-            writer = IO.ShardedWriter(tmp, plan, max_shard_bytes)
+            checkpoint.copy_tokenizer_files(src, tmp)
+            writer = hf_io.ShardedWriter(tmp, plan, max_shard_bytes)
             i = 0
             for g in groups:
                 if g.native[0][0] in ("embed", "lm_head"):  # the largest tensors: in row blocks
@@ -291,7 +294,7 @@ def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes:
                 else:
                     outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
                 for key, a in zip(g.hf, outs, strict=True):
-                    a = a.astype(IO.np_dtype(plan[i].dtype), copy=False)
+                    a = a.astype(hf_io.np_dtype(plan[i].dtype), copy=False)
                     writer.write(key, a)
                     bar.update(a.nbytes)
                     i += 1
@@ -301,16 +304,16 @@ def native_to_hf(src: str, dst: str, layout: str | None = None, max_shard_bytes:
     return os.path.abspath(dst)
 
 
-def _row_blocks(reader: C.WeightReader, name: str, t: IO.PlannedTensor, bar: Any) -> Any:
+def _row_blocks(reader: WeightReader, name: str, t: hf_io.PlannedTensor, bar: Any) -> Any:
     """HF rows of embed (native rows) or lm_head (native columns), a block at a time."""
-    rows = _rows_per_block(t.shape, IO.np_dtype(t.dtype))
+    rows = _rows_per_block(t.shape, hf_io.np_dtype(t.dtype))
     for r in range(0, t.shape[0], rows):
         block = slice(r, min(t.shape[0], r + rows))
         if name == "lm_head":
             a = np.ascontiguousarray(reader.read(name, (slice(None), block)).T)
         else:
             a = reader.read(name, (block, slice(None)))
-        a = a.astype(IO.np_dtype(t.dtype), copy=False)
+        a = a.astype(hf_io.np_dtype(t.dtype), copy=False)
         bar.update(a.nbytes)
         yield a
 
@@ -318,7 +321,7 @@ def _row_blocks(reader: C.WeightReader, name: str, t: IO.PlannedTensor, bar: Any
 class _ExpertChunks:
     """experts[i] of one layer of a stacked expert weight, read one storage chunk of experts at a time."""
 
-    def __init__(self, reader: C.WeightReader, name: str, layer: int) -> None:
+    def __init__(self, reader: WeightReader, name: str, layer: int) -> None:
         self.reader, self.name, self.layer = reader, name, layer
         self.n_experts = reader.leaves[name][0][1]
         self.step = max(1, reader.chunk_shape(name)[1])

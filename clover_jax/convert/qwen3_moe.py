@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from clover_jax.config import ModelConfig
-from clover_jax.convert import common as K
-from clover_jax.convert import mapping as M
+from clover_jax.convert import common, mapping
 
 NAME = "qwen3_moe"
 ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
@@ -23,30 +22,30 @@ def detect(hf: dict[str, Any]) -> bool:
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
-    f = K.common_from_hf(hf, NAME)
+    f = common.common_from_hf(hf, NAME)
     for key in ("n_experts", "n_experts_per_tok", "expert_mlp_dim"):
         if key not in f:
-            K.need(hf, K.COMMON_FIELDS[key], NAME)
-    K.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
-    K.refuse(hf.get("decoder_sparse_step", 1) != 1, "decoder_sparse_step != 1")
+            common.need(hf, common.COMMON_FIELDS[key], NAME)
+    common.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
+    common.refuse(hf.get("decoder_sparse_step", 1) != 1, "decoder_sparse_step != 1")
     dense = list(hf.get("mlp_only_layers") or [])
-    K.refuse(dense != list(range(len(dense))), f"mlp_only_layers {dense} is not a prefix of the layers")
-    K.refuse(bool(hf.get("use_sliding_window")), "sliding-window attention")
+    common.refuse(dense != list(range(len(dense))), f"mlp_only_layers {dense} is not a prefix of the layers")
+    common.refuse(bool(hf.get("use_sliding_window")), "sliding-window attention")
     f.update(n_dense_layers=len(dense), dense_mlp_dim=int(hf.get("intermediate_size") or 0) if dense else 0,
              router="softmax", norm_topk_prob=bool(hf.get("norm_topk_prob", False)), attention="bidirectional",
-             qk_norm=True, rope_theta=K.rope_theta(hf), dtype=dtype)
+             qk_norm=True, rope_theta=common.rope_theta(hf), dtype=dtype)
     f.setdefault("norm_eps", 1e-6)
     if mask_token_id is not None:
         f["mask_token_id"] = mask_token_id
-    return K.make_config(name, NAME, f)
+    return common.make_config(name, NAME, f)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    K.refuse(cfg.n_shared_experts > 0, "qwen3_moe has no shared experts")
-    K.refuse(cfg.attn_output_gate, "qwen3_moe has no attention output gate")
-    K.refuse(cfg.router != "softmax" or cfg.use_expert_bias, "qwen3_moe routes with a plain softmax")
-    K.refuse(cfg.partial_rotary_factor != 1.0, "qwen3_moe rotates the full head")
-    out = K.common_to_hf(cfg)
+    common.refuse(cfg.n_shared_experts > 0, "qwen3_moe has no shared experts")
+    common.refuse(cfg.attn_output_gate, "qwen3_moe has no attention output gate")
+    common.refuse(cfg.router != "softmax" or cfg.use_expert_bias, "qwen3_moe routes with a plain softmax")
+    common.refuse(cfg.partial_rotary_factor != 1.0, "qwen3_moe rotates the full head")
+    out = common.common_to_hf(cfg)
     out.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=cfg.norm_topk_prob,
                decoder_sparse_step=1, mlp_only_layers=list(range(cfg.n_dense_layers)),
                intermediate_size=cfg.dense_mlp_dim or cfg.expert_mlp_dim, use_sliding_window=False,
@@ -54,5 +53,5 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[M.Group]:
-    return M.qwen_style_groups(cfg, fused_experts, ATTN, shared_key=None)
+def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    return mapping.qwen_style_groups(cfg, fused_experts, ATTN, shared_key=None)

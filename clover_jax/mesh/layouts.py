@@ -1,7 +1,10 @@
 """Named mesh layouts: `sharding/NAME.toml` files with a mesh shape, axis names and logical-axis rules.
 
-    --mesh cpu-8          a layout shipped in sharding/
+    --mesh cpu-8          a layout shipped in sharding/ (package data: works from any directory)
     --mesh path/to.toml   a layout file of your own
+
+A layout is a description (`Layout`); `Layout.mesh_rules()` makes the concrete mesh and pairs it with
+the layout's rules, the `MeshRules` that the model and the sampler take as `mesh=`.
 """
 
 from __future__ import annotations
@@ -9,14 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
 
-from clover_jax.sharding import DEFAULT_RULES, ShardingError
+from clover_jax.errors import ShardingError
+from clover_jax.mesh.rules import DEFAULT_RULES, MeshRules, ShardingRules, as_tuple
+from clover_jax.shipped import LAYOUT_DIR
 
-LAYOUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sharding")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 PLATFORMS = ("cpu", "tpu", "gpu")
 
@@ -26,7 +33,7 @@ class Layout:
     name: str
     shape: tuple[int, ...]
     axes: tuple[str, ...]
-    rules: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_RULES))
+    rules: ShardingRules = DEFAULT_RULES
     platform: str = "cpu"  # cpu | tpu | gpu
     topology: str | None = None  # e.g. "v5e:2x4" for AOT planning on a TPU topology
     description: str = ""
@@ -36,15 +43,21 @@ class Layout:
     def n_devices(self) -> int:
         return int(np.prod(self.shape))
 
+    def mesh_rules(self, devices: list | None = None) -> MeshRules:
+        """The layout's mesh over `devices` (default all), with its rules."""
+        return MeshRules(make_mesh(self, devices), self.rules)
+
 
 def layout_names() -> list[str]:
-    if not os.path.isdir(LAYOUT_DIR):
+    """The layouts shipped in sharding/."""
+    if not LAYOUT_DIR.is_dir():
         return []
-    return sorted(f[:-5] for f in os.listdir(LAYOUT_DIR) if f.endswith(".toml"))
+    return sorted(p.stem for p in LAYOUT_DIR.glob("*.toml"))
 
 
 def load_layout(name_or_path: str) -> Layout:
-    path = name_or_path if name_or_path.endswith(".toml") else os.path.join(LAYOUT_DIR, f"{name_or_path}.toml")
+    """A shipped layout by name, or a .toml file; ShardingError naming the problem otherwise."""
+    path = name_or_path if name_or_path.endswith(".toml") else str(LAYOUT_DIR / f"{name_or_path}.toml")
     if not os.path.exists(path):
         raise ShardingError(f"unknown mesh layout {name_or_path!r}; known: {', '.join(layout_names())} "
                             "(or pass a path to a .toml file)")
@@ -61,13 +74,14 @@ def load_layout(name_or_path: str) -> Layout:
         raise ShardingError(f"layout {path}: mesh shape {list(shape)} must be positive integers")
     if len(set(axes)) != len(axes):
         raise ShardingError(f"layout {path}: mesh axes {list(axes)} repeat a name")
-    rules = dict(DEFAULT_RULES)
+    table: dict[str, Any] = {}
     for k, v in doc.get("rules", {}).items():
-        rules[k] = None if v in ("", "none", None) else (tuple(v) if isinstance(v, list) else v)
-        for ax in () if rules[k] is None else (rules[k],) if isinstance(rules[k], str) else rules[k]:
+        table[k] = None if v in ("", "none", None) else (tuple(v) if isinstance(v, list) else v)
+        for ax in as_tuple(table[k]):
             if ax not in MESH_AXES:
                 raise ShardingError(f"layout {path}: rule {k} = {v!r} names unknown mesh axis {ax!r}; "
                                     f"use {MESH_AXES}")
+    rules = ShardingRules.from_mapping(table, where=f"layout {path} [rules]")
     platform = doc.get("platform", "cpu")
     if platform not in PLATFORMS:
         raise ShardingError(f"layout {path}: platform {platform!r} must be one of {PLATFORMS}")
@@ -82,11 +96,8 @@ def load_layout(name_or_path: str) -> Layout:
                   chip=doc.get("chip"))
 
 
-def make_mesh(layout: Layout, devices: list | None = None):
+def make_mesh(layout: Layout, devices: list | None = None) -> Mesh:
     """A jax Mesh over the first prod(shape) devices (all processes' devices on multi-host)."""
-    import jax
-    from jax.sharding import Mesh
-
     devices = jax.devices() if devices is None else devices
     if len(devices) < layout.n_devices:
         hint = (f" (on a CPU host, fake devices: XLA_FLAGS=--xla_force_host_platform_device_count={layout.n_devices})"
@@ -96,8 +107,6 @@ def make_mesh(layout: Layout, devices: list | None = None):
     devices = list(devices[: layout.n_devices])
     if devices[0].platform == "tpu":
         # Physical-torus-aware order: a logical axis should follow whole ICI rings where it can.
-        from jax.experimental import mesh_utils
-
         arr = mesh_utils.create_device_mesh(layout.shape, devices, allow_split_physical_axes=True)
     else:
         arr = np.array(devices).reshape(layout.shape)
@@ -109,21 +118,20 @@ def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
                         help="mesh layout: a name from sharding/ (e.g. cpu-8) or a .toml path; default: one device")
 
 
-def mesh_from_arg(name_or_path: str | None, devices: list | None = None) -> tuple[Layout, Any] | None:
-    """(layout, Mesh) for a `--mesh` value, or None without one. Raises ShardingError (say it as a UserError).
+def mesh_from_arg(name_or_path: str | None, devices: list | None = None) -> MeshRules | None:
+    """The MeshRules of a `--mesh` value, or None without one. Raises ShardingError (say it as one line).
 
     Typical command body:
-        lm = layouts.mesh_from_arg(args.mesh)
-        shardings = None if lm is None else sharding.weight_shardings(cfg, lm[1], lm[0].rules)
+        mesh = layouts.mesh_from_arg(args.mesh)
+        shardings = None if mesh is None else params.weight_shardings(cfg, mesh.mesh, mesh.rules)
         weights = params.init(cfg, key, shardings)        # or restore into `shardings`
-        with (sharding.use_mesh(lm[1], lm[0].rules) if lm else contextlib.nullcontext()):
-            ... run the model with dispatch=expert_parallel.choose_dispatch(mesh) ...
+        generate(weights, cfg, prompts, sc, mesh=mesh)
     """
     if name_or_path is None:
         return None
     layout = load_layout(name_or_path)
     init_distributed_from_env(layout)
-    return layout, make_mesh(layout, devices)
+    return layout.mesh_rules(devices)
 
 
 def init_distributed_from_env(layout: Layout | None = None) -> bool:
@@ -135,8 +143,6 @@ def init_distributed_from_env(layout: Layout | None = None) -> bool:
     """
     if os.environ.get("CLOVER_DISTRIBUTED", "") not in ("1", "true", "yes"):
         return False
-    import jax
-
     if jax.distributed.is_initialized():
         return True
     if layout is not None and layout.platform == "cpu":

@@ -1,61 +1,82 @@
-"""Logical-axis rules: how named weight/activation axes map onto mesh axes.
+"""Logical-axis rules: how named weight and activation axes map onto mesh axes.
 
-Every weight declares logical axes (params.ParamSpec.axes); a rules table maps each logical axis to
-a mesh axis (or a tuple of them, or None for replicated). The named layouts in `sharding/*.toml`
-carry a mesh shape and a rules table; `layouts.py` reads them.
+Every weight declares logical axes (`model.params.ParamSpec.axes`). `ShardingRules` is the typed
+table from each logical axis to a mesh axis, a tuple of them, or None (replicated); a misspelt
+logical axis is an error when the table is built. `MeshRules` pairs a concrete `jax.sharding.Mesh`
+with a table: it is what the model, the MoE dispatch and the sampler take as their `mesh=` argument,
+explicitly (it is hashable, so it is part of a compiled program's static key), never from a global.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from clover_jax import params as P
-from clover_jax.config import ModelConfig
+from clover_jax.errors import ShardingError
 
-Rules = Mapping[str, str | tuple[str, ...] | None]
-
-# Expert-parallel by default: experts over `expert`, heads and MLP widths over `tensor`,
-# batch over `data`. Axes not named here are replicated.
-DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": "data",
-    "vocab": None,
-    "embed": None,
-    "q_heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "mlp": "tensor",
-    "experts": "expert",
-    "expert_mlp": "tensor",
-    "experts_replicated": None,
-    "layers": None,
-    "norm": None,
-    "seq": None,
-}
+MeshAxes = str | tuple[str, ...] | None  # one mesh axis, several (major first), or replicated
 
 
-class ShardingError(ValueError):
-    """A mesh or rules table that cannot shard the model."""
-
-
-def _mesh_axes(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def as_tuple(rule: MeshAxes) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple (empty for replicated)."""
     if rule is None:
         return ()
     return (rule,) if isinstance(rule, str) else tuple(rule)
 
 
-def logical_to_spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh | None = None) -> PartitionSpec:
+@dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axes. The defaults are expert-parallel: experts over `expert`, heads and
+    MLP widths over `tensor`, the batch over `data`; everything else replicated."""
+
+    batch: MeshAxes = "data"
+    seq: MeshAxes = None
+    vocab: MeshAxes = None
+    embed: MeshAxes = None
+    q_heads: MeshAxes = "tensor"
+    kv_heads: MeshAxes = "tensor"
+    head_dim: MeshAxes = None
+    mlp: MeshAxes = "tensor"
+    experts: MeshAxes = "expert"
+    expert_mlp: MeshAxes = "tensor"
+    experts_replicated: MeshAxes = None
+    layers: MeshAxes = None
+    norm: MeshAxes = None
+
+    @classmethod
+    def logical_axes(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any], where: str = "rules") -> ShardingRules:
+        """The defaults with `table`'s entries replaced; an unknown logical axis is a ShardingError."""
+        unknown = sorted(set(table) - set(cls.logical_axes()))
+        if unknown:
+            raise ShardingError(f"{where}: unknown logical axes {unknown}; known: {', '.join(cls.logical_axes())}")
+        return cls(**{k: None if v is None else (v if isinstance(v, str) else tuple(v)) for k, v in table.items()})
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes a logical axis maps to (empty for None or a replicated axis)."""
+        return () if logical is None else as_tuple(getattr(self, logical))
+
+    def replace(self, **changes: MeshAxes) -> ShardingRules:
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_RULES = ShardingRules()
+
+
+def logical_to_spec(axes: tuple[str | None, ...], rules: ShardingRules, mesh: Mesh | None = None) -> PartitionSpec:
     """PartitionSpec for logical axes; mesh axes of size 1 or absent from `mesh` are dropped."""
     out: list[Any] = []
     used: set[str] = set()
     for ax in axes:
-        mesh_axes = [] if ax is None else list(_mesh_axes(rules.get(ax)))
+        mesh_axes = list(rules.mesh_axes(ax))
         if mesh is not None:
             mesh_axes = [m for m in mesh_axes if m in mesh.shape and mesh.shape[m] > 1]
         mesh_axes = [m for m in mesh_axes if m not in used]  # one mesh axis shards one dim at most
@@ -64,52 +85,30 @@ def logical_to_spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh | Non
     return PartitionSpec(*out)
 
 
-def _check_divides(name: str, spec: P.ParamSpec, pspec: PartitionSpec, mesh: Mesh) -> None:
-    for dim, (size, ax_name, part) in enumerate(zip(spec.shape, spec.axes, pspec, strict=True)):
-        if part is None:
-            continue
-        n = int(np.prod([mesh.shape[a] for a in _mesh_axes(part)]))
-        if size % n:
-            raise ShardingError(
-                f"weight {name!r} dim {dim} (logical axis {ax_name!r}, size {size}) is not divisible by "
-                f"mesh axis {part!r} of size {n}; change the mesh or the rule for {ax_name!r}")
+@dataclass(frozen=True)
+class MeshRules:
+    """A mesh and the rules that place logical axes on it: the `mesh=` argument of the model and sampler."""
+
+    mesh: Mesh
+    rules: ShardingRules = DEFAULT_RULES
+
+    def spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
+        return logical_to_spec(axes, self.rules, self.mesh)
+
+    def sharding(self, axes: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes))
+
+    def size(self, mesh_axis: str) -> int:
+        """The size of a mesh axis (1 when the mesh has no such axis)."""
+        return int(self.mesh.shape.get(mesh_axis, 1))
+
+    @property
+    def n_devices(self) -> int:
+        return int(self.mesh.size)
 
 
-def weight_shardings(cfg_or_specs: ModelConfig | Any, mesh: Mesh, rules: Rules | None = None) -> Any:
-    """NamedSharding per weight; raises ShardingError naming the weight, axis and sizes."""
-    rules = DEFAULT_RULES if rules is None else rules
-    specs = P.abstract(cfg_or_specs) if isinstance(cfg_or_specs, ModelConfig) else cfg_or_specs
-    for name, spec in P.named_leaves(specs):
-        _check_divides(name, spec, logical_to_spec(spec.axes, rules, mesh), mesh)
-    return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes, rules, mesh)), specs,
-                        is_leaf=P.is_spec)
-
-
-# ---- activation constraints ------------------------------------------------------------------
-# The model calls `constrain(x, axes)` at a few points; it is a no-op unless a mesh context is set,
-# so single-device code never pays for (or depends on) sharding.
-
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("clover_mesh", default=None)
-
-
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules | None = None) -> Iterator[Mesh]:
-    """Activate a mesh and rules for activation constraints and expert-parallel dispatch."""
-    token = _ACTIVE.set((mesh, DEFAULT_RULES if rules is None else rules))
-    try:
-        with jax.set_mesh(mesh):
-            yield mesh
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active_mesh() -> tuple[Mesh, Rules] | None:
-    return _ACTIVE.get()
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    active = _ACTIVE.get()
-    if active is None:
+def constrain(x: jax.Array, axes: tuple[str | None, ...], mesh: MeshRules | None) -> jax.Array:
+    """`with_sharding_constraint` to the logical axes on `mesh`; the identity without a mesh."""
+    if mesh is None:
         return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules, mesh)))
+    return jax.lax.with_sharding_constraint(x, mesh.sharding(axes))

@@ -1,4 +1,4 @@
-"""Attention building blocks: RMSNorm, rotary embeddings, masks and grouped-query attention."""
+"""Layer building blocks: RMSNorm, rotary embeddings, SwiGLU and grouped-query attention (masks: `masks`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
-from clover_jax.params import AttentionWeights, MLPWeights
+from clover_jax.model.params import AttentionWeights, MLPWeights
 
 Array = jax.Array
 
@@ -34,21 +34,6 @@ def rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
     rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
     out = (xr * cos + rotated * sin).astype(x.dtype)
     return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out
-
-
-def attention_mask(
-    q_valid: Array, q_block: Array, k_valid: Array, k_block: Array, block_causal: bool
-) -> Array:
-    """Boolean mask [B, Tq, Tk]: True where query may attend to key.
-
-    Keys must be valid (not padding). Block-causal: a query sees keys whose block id is <= its own
-    (full attention inside a block, causal across blocks). Queries that are padding still see every
-    valid key so that their (discarded) rows stay finite.
-    """
-    mask = jnp.broadcast_to(k_valid[:, None, :], (q_valid.shape[0], q_valid.shape[1], k_valid.shape[1]))
-    if block_causal:
-        mask = mask & (k_block[:, None, :] <= q_block[:, :, None])
-    return mask
 
 
 def swiglu(x: Array, w: MLPWeights) -> Array:

@@ -17,9 +17,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax.config import ModelConfig
+from clover_jax.errors import ShardingError
+from clover_jax.mesh.rules import DEFAULT_RULES, ShardingRules, as_tuple, logical_to_spec
 
 Array = jax.Array
 
@@ -175,7 +179,7 @@ def _init_leaf(spec: ParamSpec, key: Array) -> Array:
 def init(cfg: ModelConfig, key: Array, shardings: Any = None) -> Weights:
     """Random weights, created by one jitted program directly in their shardings.
 
-    With `shardings` (a tree matching `abstract(cfg)`, e.g. from `sharding.weight_shardings`) no
+    With `shardings` (a tree matching `abstract(cfg)`, e.g. from `weight_shardings`) no
     host ever holds a whole weight: each device generates its own shard.
     """
     specs = abstract(cfg)
@@ -220,3 +224,23 @@ def count_params(cfg: ModelConfig) -> ParamCount:
             embedding += spec.size
     active = total - routed + (routed * cfg.n_experts_per_tok // cfg.n_experts if cfg.n_experts else 0)
     return ParamCount(total=total, active=active, routed_experts=routed, embedding=embedding)
+
+
+def _check_divides(name: str, spec: ParamSpec, pspec: PartitionSpec, mesh: Mesh) -> None:
+    for dim, (size, ax_name, part) in enumerate(zip(spec.shape, spec.axes, pspec, strict=True)):
+        if part is None:
+            continue
+        n = int(np.prod([mesh.shape[a] for a in as_tuple(part)]))
+        if size % n:
+            raise ShardingError(
+                f"weight {name!r} dim {dim} (logical axis {ax_name!r}, size {size}) is not divisible by "
+                f"mesh axis {part!r} of size {n}; change the mesh or the rule for {ax_name!r}")
+
+
+def weight_shardings(cfg_or_specs: ModelConfig | Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
+    """NamedSharding per weight (a tree matching `abstract(cfg)`); raises ShardingError naming the
+    weight, axis and sizes of the first rule that does not divide its dimension."""
+    specs = abstract(cfg_or_specs) if isinstance(cfg_or_specs, ModelConfig) else cfg_or_specs
+    for name, spec in named_leaves(specs):
+        _check_divides(name, spec, logical_to_spec(spec.axes, rules, mesh), mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes, rules, mesh)), specs, is_leaf=is_spec)

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from clover_jax import layers as L
 from clover_jax.config import ModelConfig
-from clover_jax.moe import TAKES_LAYER_STACK, MoEStats, moe_block
-from clover_jax.params import LayerWeights, Weights
-from clover_jax.sharding import constrain
+from clover_jax.mesh.rules import MeshRules, constrain
+from clover_jax.model import layers, masks
+from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
+from clover_jax.model.params import LayerWeights, Weights
 
 Array = jax.Array
 
@@ -55,11 +55,12 @@ class ForwardOut(NamedTuple):
 
 def _layer(
     x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array, Array] | None,
-    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, layer: Array | None = None,
+    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, mesh: MeshRules | None,
+    layer: Array | None = None,
 ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
     """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None."""
-    h = L.rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q, k, v = L.project_qkv(h, w.attn, positions, cfg)
+    h = layers.rms_norm(x, w.attn_norm, cfg.norm_eps)
+    q, k, v = layers.project_qkv(h, w.attn, positions, cfg)
     if kv is not None:
         # Write only this window into the stack-wide cache (in place in the scan carry), then read
         # this layer's columns back for attention.
@@ -69,27 +70,27 @@ def _layer(
         v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
         k, v = k_all[i], v_all[i]
         kv = (k_all, v_all)
-    attn = L.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-    x = x + L.output_projection(h, attn, w.attn, cfg)
-    x = constrain(x, ("batch", "seq", "embed"))
-    h = L.rms_norm(x, w.mlp_norm, cfg.norm_eps)
+    attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    x = x + layers.output_projection(h, attn, w.attn, cfg)
+    x = constrain(x, ("batch", "seq", "embed"), mesh)
+    h = layers.rms_norm(x, w.mlp_norm, cfg.norm_eps)
     if is_moe:
-        y, st = moe_block(h, w.mlp, cfg, dispatch, layer)
+        y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
     else:
-        y, st = L.swiglu(h, w.mlp), None
-    return constrain(x + y, ("batch", "seq", "embed")), kv, st
+        y, st = layers.swiglu(h, w.mlp), None
+    return constrain(x + y, ("batch", "seq", "embed"), mesh), kv, st
 
 
 def _run_stack(
     x: Array, stack: LayerWeights, k: Array | None, v: Array | None, positions: Array, mask: Array,
-    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, remat: bool,
+    cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, remat: bool, mesh: MeshRules | None,
 ) -> tuple[Array, Array | None, Array | None, MoEStats | None]:
     # Scanning over the stacked expert weights copies each layer's experts out of the stack (on CPU
     # that copy costs as much as the expert matmuls), so dispatches that can index [layer, expert]
     # themselves get the stack and a layer index. Not under remat: there the scan's per-layer
     # slices keep weight gradients per layer.
     experts = None
-    if is_moe and not remat and (dispatch or cfg.moe_dispatch) in TAKES_LAYER_STACK:
+    if is_moe and not remat and takes_layer_stack(dispatch or cfg.moe_dispatch):
         experts = stack.mlp
         stack = stack.replace(mlp=stack.mlp.replace(gate=None, up=None, down=None))
     n_layers = stack.attn_norm.shape[0]
@@ -102,7 +103,7 @@ def _run_stack(
         if experts is not None:
             w = w.replace(mlp=w.mlp.replace(gate=experts.gate, up=experts.up, down=experts.down))
         kv = None if ck is None else (ck, cv, i)
-        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, is_moe, dispatch,
+        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, is_moe, dispatch, mesh,
                            None if experts is None else i)
         return (x, *(kv if kv is not None else (None, None))), st
 
@@ -116,8 +117,8 @@ def forward(
     weights: Weights,
     cfg: ModelConfig,
     tokens: Array,
-    positions: Array,
-    mask: Array,
+    positions: Array | None = None,
+    mask: Array | None = None,
     cache: KVCache | None = None,
     cache_offset: Array | int = 0,
     *,
@@ -125,14 +126,24 @@ def forward(
     logits_len: int | None = None,
     dispatch: str | None = None,
     remat: bool = False,
+    mesh: MeshRules | None = None,
 ) -> ForwardOut:
-    """Logits for `tokens` [B, W].
+    """Logits for `tokens` [B, W]; `forward(weights, cfg, tokens).logits` for an unpadded batch.
 
-    positions: [B, W] rotary positions. mask: [B, W, S] bool (S = W without cache, else cache length).
+    positions: [B, W] rotary positions (default 0..W-1). mask: [B, W, S] bool (S = W without a cache,
+    else the cache length; default `masks.full_mask` of an unpadded batch, needs no cache).
     logits_start / logits_len: compute the LM head only for that window of the W positions.
+    dispatch: the MoE dispatch strategy (default the config's). mesh: shard activations and the
+    expert-parallel dispatch on this mesh (None: one device, no constraints).
     """
+    if mask is None or positions is None:
+        if cache is not None:
+            raise ValueError("forward with a cache needs explicit positions and mask")
+        valid = jnp.ones(tokens.shape, bool)
+        positions = masks.positions(valid) if positions is None else positions
+        mask = masks.full_mask(cfg, valid) if mask is None else mask
     x = weights.embed[tokens].astype(jnp.dtype(cfg.dtype))
-    x = constrain(x, ("batch", "seq", "embed"))
+    x = constrain(x, ("batch", "seq", "embed"), mesh)
     offset = jnp.asarray(cache_offset, jnp.int32)
     new_cache = None
     dense_k = dense_v = moe_k = moe_v = None
@@ -140,42 +151,25 @@ def forward(
     if weights.dense_layers is not None:
         x, dense_k, dense_v, _ = _run_stack(
             x, weights.dense_layers, None if cache is None else cache.dense_k,
-            None if cache is None else cache.dense_v, positions, mask, offset, cfg, False, dispatch, remat)
+            None if cache is None else cache.dense_v, positions, mask, offset, cfg, False, dispatch, remat, mesh)
     if weights.moe_layers is not None:
         x, moe_k, moe_v, st = _run_stack(
             x, weights.moe_layers, None if cache is None else cache.moe_k,
-            None if cache is None else cache.moe_v, positions, mask, offset, cfg, True, dispatch, remat)
+            None if cache is None else cache.moe_v, positions, mask, offset, cfg, True, dispatch, remat, mesh)
     if cache is not None:
         new_cache = KVCache(dense_k, dense_v, moe_k, moe_v)
     if logits_len is not None:
         x = jax.lax.dynamic_slice_in_dim(x, jnp.asarray(logits_start, jnp.int32), logits_len, axis=1)
-    x = L.rms_norm(x, weights.final_norm, cfg.norm_eps)
+    x = layers.rms_norm(x, weights.final_norm, cfg.norm_eps)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
     return ForwardOut(logits, new_cache, st)
 
 
-def full_mask(cfg: ModelConfig, valid: Array, block_ids: Array | None = None) -> Array:
-    """Mask for a cache-free pass over [B, T] tokens: padding keys hidden, block-causal if configured."""
-    if block_ids is None:
-        block_ids = default_block_ids(cfg, valid)
-    return L.attention_mask(valid, block_ids, valid, block_ids, cfg.is_block_causal)
-
-
-def default_positions(valid: Array) -> Array:
-    """Positions counting only valid tokens, so left padding does not shift a row's positions."""
-    return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def default_block_ids(cfg: ModelConfig, valid: Array) -> Array:
-    """Block ids aligned to each row's own positions (LLaDA2's absolute blocks)."""
-    return default_positions(valid) // cfg.block_size
-
-
 def apply(weights: Weights, cfg: ModelConfig, tokens: Array, valid: Array | None = None,
-          dispatch: str | None = None) -> Array:
-    """Convenience: logits for whole sequences [B, T] (left or right padding marked by `valid`)."""
+          dispatch: str | None = None, mesh: MeshRules | None = None) -> Array:
+    """Logits [B, T, V] for whole sequences [B, T] (left or right padding marked by `valid`)."""
     if valid is None:
         valid = jnp.ones(tokens.shape, bool)
-    return forward(weights, cfg, tokens, default_positions(valid), full_mask(cfg, valid),
-                   dispatch=dispatch).logits
+    return forward(weights, cfg, tokens, masks.positions(valid), masks.full_mask(cfg, valid), dispatch=dispatch,
+                   mesh=mesh).logits

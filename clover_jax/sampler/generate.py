@@ -1,20 +1,20 @@
 """Masked-diffusion sampling: `generate(weights, cfg, prompts, SamplerConfig(...))`.
 
 This module checks the request (before anything compiles), pads prompts into a batch bucket and a
-prompt bucket, compiles the loop of `sampler_program` once per static shape and runs it. The
-arithmetic of one step lives in `sampler_scoring`.
+prompt bucket, compiles the loop of `program` once per static shape and runs it. The arithmetic of
+one step lives in `scoring`.
 
-    from clover_jax.sampler import SamplerConfig, generate
+    from clover_jax import SamplerConfig, generate
     res = generate(weights, cfg, [[5, 6, 7]], SamplerConfig(gen_length=64, block_length=32, steps=64))
     res.tokens[0], res.stats.nfe
 
-Static (one compiled program each): model config, batch bucket, prompt bucket, gen_length,
+Static (one compiled program each): model config, mesh, batch bucket, prompt bucket, gen_length,
 block_length, cache mode, guidance on/off, progress callback on/off, record_logits. Dynamic (never a
 recompile): steps, remasking, threshold, entropy_bound, temperature, top_p, top_k, cfg_scale (> 0),
 seed, eos_stop. Compiled programs are kept per process (the 32 most recently used).
 
 Cache `auto` (the default) is the fastest exact mode: `prefix` for block-causal models, `none` for
-bidirectional ones, where `prefix` / `dual` are approximations (see sampler_program).
+bidirectional ones, where `prefix` / `dual` are approximations (see `program`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from clover_jax import sharding
 from clover_jax.config import ModelConfig
-from clover_jax.sampler_program import (
+from clover_jax.errors import SamplerError
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model.moe import choose_dispatch
+from clover_jax.sampler.program import (
     CACHE_MODES,
     ForwardFn,
     Knobs,
@@ -43,19 +45,13 @@ from clover_jax.sampler_program import (
     run_program,
     set_progress_sink,
 )
-from clover_jax.sampler_scoring import STRATEGIES
-
-__all__ = ["CACHE_MODES", "STRATEGIES", "GenerateResult", "SamplerConfig", "SamplerError", "SamplerStats",
-           "check_prompts", "check_settings", "compile_count", "generate", "prepare_batch", "resolve_cache",
-           "validate"]
-
-
-class SamplerError(ValueError):
-    """A sampling request that cannot run; raised before anything is compiled."""
+from clover_jax.sampler.scoring import REMASKING, remasking_index
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
+    """One sampling request's settings; `check_settings` says what is allowed. Hashable, never mutated."""
+
     gen_length: int = 128
     block_length: int = 32
     steps: int | None = None  # total refinement steps over all blocks; None = gen_length (one token a step)
@@ -84,6 +80,8 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class SamplerStats:
+    """What one `generate` call cost and achieved."""
+
     nfe: int  # forward passes of the model (a guided cond+uncond pair is one pass over 2B rows)
     steps: int  # commit steps run
     tokens: int  # positions the sampler committed, all real rows (EOS fill excluded)
@@ -107,6 +105,8 @@ class SamplerStats:
 
 @dataclass
 class GenerateResult:
+    """The generated ids per prompt, with the raw canvas and the statistics."""
+
     tokens: list[list[int]]  # per prompt: generated ids before the first EOS
     finished: list[bool]  # the row produced an EOS
     raw: np.ndarray  # [n, gen_length] every generated column (masks left if steps ran out)
@@ -140,7 +140,7 @@ def check_settings(sc: SamplerConfig) -> None:
     need(isinstance(sc.total_steps, int) and sc.total_steps >= sc.n_blocks,
          f"steps ({sc.total_steps}) must be at least the number of blocks "
          f"(gen_length / block_length = {sc.n_blocks})")
-    need(sc.remasking in STRATEGIES, f"unknown remasking strategy {sc.remasking!r}; choose one of {STRATEGIES}")
+    need(sc.remasking in REMASKING, f"unknown remasking strategy {sc.remasking!r}; choose one of {tuple(REMASKING)}")
     need(sc.cache in ("auto", *CACHE_MODES),
          f"unknown cache mode {sc.cache!r}; choose one of {('auto', *CACHE_MODES)}")
     need(sc.threshold == 0 or 0 < sc.threshold <= 1, f"threshold must be in (0, 1] (or 0 = off), got {sc.threshold}")
@@ -176,12 +176,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def batch_bucket(n: int) -> int:
-    """Rows: the next power of two, and a multiple of the mesh's data axis when one is active."""
+def batch_bucket(n: int, mesh: MeshRules | None = None) -> int:
+    """Rows: the next power of two, and a multiple of the mesh's data axis on a mesh."""
     b = _next_pow2(n)
-    active = sharding.active_mesh()
-    if active is not None:
-        data = int(active[0].shape.get("data", 1))
+    if mesh is not None:
+        data = mesh.size("data")
         b = -(-b // data) * data
     return b
 
@@ -192,9 +191,10 @@ def prompt_bucket(longest: int, block_length: int) -> int:
 
 
 def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, pad_id: int,
-                  batch: int | None = None, prompt_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  batch: int | None = None, prompt_len: int | None = None,
+                  mesh: MeshRules | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Left-pad prompts into [B, P] int32 plus lengths [B]; filler rows have length 0."""
-    b = batch_bucket(len(prompts)) if batch is None else batch
+    b = batch_bucket(len(prompts), mesh) if batch is None else batch
     p = prompt_bucket(max(len(x) for x in prompts), block_length) if prompt_len is None else prompt_len
     if b < len(prompts) or p < max(len(x) for x in prompts):
         raise SamplerError(f"buckets of {b} rows x {p} columns cannot hold {len(prompts)} prompts of up to "
@@ -219,18 +219,10 @@ def compile_count() -> int:
     return _COMPILES[0]
 
 
-def _mesh_key() -> Any:
-    active = sharding.active_mesh()
-    if active is None:
-        return None
-    mesh, rules = active
-    return (mesh, tuple(sorted((k, str(v)) for k, v in rules.items())))
-
-
 def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: np.ndarray,
                      lengths: np.ndarray, knobs: Knobs) -> tuple[Callable[..., ProgramOut], float]:
     """The AOT-compiled program for these static settings, and the seconds spent compiling it now."""
-    key = (spec, forward_fn, _mesh_key())
+    key = (spec, forward_fn)
     if key in _PROGRAMS:
         _PROGRAMS.move_to_end(key)
         return _PROGRAMS[key], 0.0
@@ -253,9 +245,10 @@ def resolve_cache(cfg: ModelConfig, cache: str) -> str:
 
 
 def knobs_for(sc: SamplerConfig) -> Knobs:
+    """The traced knobs of a request (changing them never recompiles)."""
     return make_knobs(steps=sc.total_steps, temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k,
                       threshold=sc.threshold, entropy_bound=sc.entropy_bound, cfg_scale=sc.cfg_scale,
-                      remasking=STRATEGIES.index(sc.remasking), eos_stop=sc.eos_stop, seed=sc.seed)
+                      remasking=remasking_index(sc.remasking), eos_stop=sc.eos_stop, seed=sc.seed)
 
 
 def generate(
@@ -270,30 +263,30 @@ def generate(
     batch: int | None = None,
     prompt_len: int | None = None,
     dispatch: str | None = None,
+    mesh: MeshRules | None = None,
 ) -> GenerateResult:
     """Fill `gen_length` masked positions after each prompt (lists of token ids).
 
     forward_fn: replaces the model (tests inject scripted logits); default `ModelForward(cfg)`.
     progress(tokens [B, G], block, nfe): called after every step from inside the compiled loop.
     batch / prompt_len: force the buckets (default: next power of two rows, block_length * 2^k columns).
-    dispatch: the MoE dispatch; default the config's, or expert_parallel.choose_dispatch(mesh) under a mesh.
+    dispatch: the MoE dispatch; default the config's, or `moe.choose_dispatch(mesh)` on a mesh.
+    mesh: run sharded on this mesh (weights already in `model.weight_shardings` of it); None: one device.
     """
     validate(cfg, sc, prompts)
     if forward_fn is None:
-        active = sharding.active_mesh()
-        if dispatch is None and active is not None:  # under a mesh: the expert-parallel strategy for it
-            from clover_jax.expert_parallel import choose_dispatch
-
-            dispatch = choose_dispatch(active[0])
-        forward_fn = ModelForward(cfg, dispatch)
-    tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len)
+        if dispatch is None and mesh is not None:  # on a mesh: the expert-parallel strategy for it
+            dispatch = choose_dispatch(mesh)
+        forward_fn = ModelForward(cfg, dispatch, mesh)
+    tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len, mesh)
     if tokens_in.shape[1] < sc.block_length:  # the cached first step re-encodes the block before block 0
         raise SamplerError(f"prompt_len={tokens_in.shape[1]} must be at least block_length ({sc.block_length})")
     cache = resolve_cache(cfg, sc.cache)
     if cache != "none" and not hasattr(forward_fn, "init_cache"):
         raise SamplerError(f"cache={cache!r} needs a forward function with an init_cache(rows, length) method")
     spec = ProgramSpec(cfg, tokens_in.shape[0], tokens_in.shape[1], sc.gen_length, sc.block_length, cache,
-                       guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits)
+                       guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits,
+                       mesh=mesh)
     knobs = knobs_for(sc)
     exe, compile_s = compiled_program(spec, forward_fn, weights, tokens_in, lengths, knobs)
     set_progress_sink(progress)

@@ -5,10 +5,10 @@ Generated block j covers columns [P + j*L, P + (j+1)*L) (L = block_length). An o
 `lax.while_loop` walks the blocks, an inner one runs the refinement steps of a block; a block ends
 when its steps are spent or it has no mask left, the loop ends when every row is done.
 
-Attention metadata: positions count only valid (non-padding) columns, so left padding never shifts
-a row. Block ids: prompt columns get position // cfg.block_size, generated block j gets P + j,
-larger than every prompt block, so the first generated block sees the whole prompt and the prompt
-never sees the generation. With block-causal models this makes caching exact.
+Attention metadata comes from `model.masks`: positions count only valid (non-padding) columns, so
+left padding never shifts a row; `masks.canvas_block_ids` numbers the prompt's and the generated
+blocks so that the first generated block sees the whole prompt and the prompt never sees the
+generation. With block-causal models this makes caching exact.
 
 Cache modes (W = width of the window each step runs, NFE = forward passes):
   none    every step runs the whole canvas [B, P+G] (logits only for the current block).
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax import model as M
 from clover_jax.config import ModelConfig
-from clover_jax.layers import attention_mask
-from clover_jax.sampler_scoring import (
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import masks, transformer
+from clover_jax.sampler.scoring import (
     draw_tokens,
     filter_logits,
     guide,
@@ -43,7 +43,6 @@ from clover_jax.sampler_scoring import (
     select_commits,
     transfer_count,
 )
-from clover_jax.sharding import active_mesh
 
 Array = jax.Array
 CACHE_MODES = ("none", "prefix", "dual")
@@ -61,14 +60,17 @@ class ModelForward:
 
     cfg: ModelConfig
     dispatch: str | None = None
+    mesh: MeshRules | None = None
 
-    def __call__(self, weights, tokens, positions, mask, cache, cache_offset, logits_start, logits_len):
-        out = M.forward(weights, self.cfg, tokens, positions, mask, cache, cache_offset,
-                        logits_start=logits_start, logits_len=logits_len, dispatch=self.dispatch)
+    def __call__(self, weights: Any, tokens: Array, positions: Array, mask: Array, cache: Any,
+                 cache_offset: Array, logits_start: Array | int, logits_len: int) -> tuple[Array, Any]:
+        out = transformer.forward(weights, self.cfg, tokens, positions, mask, cache, cache_offset,
+                                  logits_start=logits_start, logits_len=logits_len, dispatch=self.dispatch,
+                                  mesh=self.mesh)
         return out.logits, out.cache
 
-    def init_cache(self, rows: int, length: int) -> M.KVCache:
-        return M.init_cache(self.cfg, rows, length)
+    def init_cache(self, rows: int, length: int) -> transformer.KVCache:
+        return transformer.init_cache(self.cfg, rows, length)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class ProgramSpec:
     guidance: bool = False  # classifier-free guidance doubles the rows; its scale stays dynamic
     progress: bool = False  # compile in the progress callback
     record_logits: bool = False  # keep the logits each token was committed from (tests, debugging)
+    mesh: MeshRules | None = None  # where the program runs (None: one device)
 
     @property
     def n_blocks(self) -> int:
@@ -100,7 +103,7 @@ class Knobs(NamedTuple):
     threshold: Array  # float32, 0 = off
     entropy_bound: Array  # float32, 0 = off
     cfg_scale: Array  # float32 (used only by a guidance program)
-    remasking: Array  # int32 index into sampler_scoring.STRATEGIES
+    remasking: Array  # int32 scoring.remasking_index of the strategy
     eos_stop: Array  # bool
     seed: Array  # uint32
 
@@ -115,6 +118,8 @@ def make_knobs(*, steps: int, temperature: float = 0.0, top_p: float = 1.0, top_
 
 
 class ProgramOut(NamedTuple):
+    """What one run of the program returns (device arrays)."""
+
     tokens: Array  # [B, G] the generated columns (EOS-filled after a stop)
     nfe: Array  # forward passes (a guided pass over 2B rows counts once; prefill counts)
     steps: Array  # commit steps run
@@ -127,6 +132,7 @@ _progress_sink: list[Callable[[np.ndarray, int, int], None] | None] = [None]
 
 
 def set_progress_sink(fn: Callable[[np.ndarray, int, int], None] | None) -> None:
+    """Route the compiled loop's progress callbacks (tokens [B, G], block, nfe) to `fn` (None: drop them)."""
     _progress_sink[0] = fn
 
 
@@ -166,13 +172,13 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     s = t + extra
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
 
-    active = active_mesh()
-    single_device = active is None or active[0].size == 1  # ordered effects need one device; loop steps run in order
+    # ordered effects need one device; the loop's steps run in order anyway
+    single_device = spec.mesh is None or spec.mesh.n_devices == 1
     col = jnp.arange(s)
     prompt_len = prompt_len.astype(jnp.int32)
     valid = (col[None] >= p - prompt_len[:, None]) & (col[None] < t)
-    positions = M.default_positions(valid)
-    block_ids = jnp.where(col[None] < p, positions // cfg.block_size, p + (col[None] - p) // bl)
+    positions = masks.positions(valid)
+    block_ids = masks.canvas_block_ids(positions, p, bl, cfg.block_size)
     is_prompt = valid & (col[None] < p)
     gen_init = jnp.where(prompt_len[:, None] > 0, mask_id, eos_id) * jnp.ones((1, g), jnp.int32)
     canvas = jnp.concatenate(
@@ -190,7 +196,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         toks = _dslice(model_rows(cv), lo, width)
         qv, qi = _dslice(valid_r, lo, width), _dslice(ids_r, lo, width)
         kv, ki = (valid_r, ids_r) if cache is not None else (qv, qi)
-        mask = attention_mask(qv, qi, kv, ki, cfg.is_block_causal)
+        mask = masks.attention_mask(qv, qi, kv, ki, cfg.is_block_causal)
         logits, cache = forward_fn(weights, toks, _dslice(pos_r, lo, width), mask, cache,
                                    jnp.asarray(lo, jnp.int32), logits_start, bl)
         logits = logits.astype(jnp.float32)
@@ -282,7 +288,3 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
                 jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
     st = jax.lax.while_loop(outer_cond, block_body, st)
     return ProgramOut(st.canvas[:, p:t], st.nfe, st.steps, st.committed, st.logits)
-
-
-# The lower-level jitted entry point: jitted_program(spec, forward_fn, weights, prompt, prompt_len, knobs).
-jitted_program = jax.jit(run_program, static_argnums=(0, 1))

@@ -5,15 +5,15 @@ changing it never recompiles the sampling program.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-Array = jax.Array
+from clover_jax.errors import SamplerError
 
-# Order matters: the index is the traced `remasking` switch.
-STRATEGIES = ("low_confidence", "random", "margin", "entropy")
+Array = jax.Array
 
 
 def float_dtype() -> jnp.dtype:
@@ -66,13 +66,45 @@ def draw_tokens(logits: Array, key: Array, temperature: Array) -> Array:
 
 
 class Scores(NamedTuple):
-    rank_score: Array  # [B, L] higher = commit first (the chosen strategy)
+    rank_score: Array  # [B, L] higher = commit first (the chosen remasking strategy)
     confidence: Array  # [B, L] probability of the drawn token (what the threshold compares)
     entropy: Array  # [B, L] entropy of the filtered distribution, nats
 
 
+class Distribution(NamedTuple):
+    """What a remasking strategy may rank by, for one block."""
+
+    p: Array  # [B, L, V] softmax of the filtered logits
+    confidence: Array  # [B, L] probability of the drawn token
+    entropy: Array  # [B, L] nats
+
+
+def _margin(d: Distribution, key: Array) -> Array:
+    # top-1 minus top-2 with two max-reductions: lax.top_k inside a while loop costs ~20x more on CPU
+    first = jnp.argmax(d.p, axis=-1)
+    p1 = jnp.max(d.p, axis=-1)
+    p2 = jnp.max(jnp.where(jnp.arange(d.p.shape[-1]) == first[..., None], -1.0, d.p), axis=-1)
+    return p1 - p2
+
+
+# The remasking strategies by name: each ranks a block's positions, higher = commit first.
+REMASKING: dict[str, Callable[[Distribution, Array], Array]] = {
+    "low_confidence": lambda d, key: d.confidence,  # probability of the drawn token (LLaDA)
+    "random": lambda d, key: jax.random.uniform(key, d.confidence.shape, jnp.float32),
+    "margin": _margin,  # top-1 minus top-2 probability
+    "entropy": lambda d, key: -d.entropy,  # lowest entropy first
+}
+
+
+def remasking_index(name: str) -> int:
+    """The traced switch value of a remasking strategy (its place in REMASKING)."""
+    if name not in REMASKING:
+        raise SamplerError(f"unknown remasking strategy {name!r}; choose one of {tuple(REMASKING)}")
+    return list(REMASKING).index(name)
+
+
 def score_tokens(logits: Array, tokens: Array, strategy: Array, key: Array) -> Scores:
-    """Every strategy's score from the filtered logits; `strategy` indexes STRATEGIES.
+    """Scores of a block from the filtered logits; `strategy` is a traced `remasking_index`.
 
     Confidence is the probability of the drawn token under softmax(filtered logits) at
     temperature 1 (LLaDA / Fast-dLLM; LLaDA2 would use the temperature-scaled softmax).
@@ -80,15 +112,10 @@ def score_tokens(logits: Array, tokens: Array, strategy: Array, key: Array) -> S
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     p = jnp.exp(logp)
     conf = jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
-    # top-1 minus top-2 with two max-reductions: lax.top_k inside a while loop costs ~20x more on CPU
-    first = jnp.argmax(p, axis=-1)
-    p1 = jnp.max(p, axis=-1)
-    p2 = jnp.max(jnp.where(jnp.arange(p.shape[-1]) == first[..., None], -1.0, p), axis=-1)
-    margin = p1 - p2
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    rand = jax.random.uniform(key, conf.shape, jnp.float32)
-    stacked = jnp.stack([conf, rand, margin, -entropy])
-    return Scores(stacked[strategy], conf, entropy)
+    d = Distribution(p, conf, entropy)
+    rank = jax.lax.switch(strategy, list(REMASKING.values()), d, key)
+    return Scores(rank, conf, entropy)
 
 
 def transfer_count(n_masked: Array, steps: Array, step: Array) -> Array:

@@ -10,17 +10,29 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import sentencepiece as spm
+
 # Files a checkpoint directory may carry; conversion copies whichever exist.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
 
 class Tokenizer(Protocol):
+    """What the sampler and the commands need of a tokenizer."""
+
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, prompt: str) -> str | None: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`; ids outside the vocabulary are skipped."""
+        ...
+
+    def apply_chat_template(self, prompt: str) -> str | None:
+        """`prompt` as one user turn of the chat template, or None when there is no template."""
+        ...
 
 
 @dataclass
@@ -43,12 +55,12 @@ class ByteTokenizer:
 
 @dataclass
 class SentencePieceTokenizer:
+    """A SentencePiece `tokenizer.model` (the shipped models); no chat template."""
+
     path: str
     _sp: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        import sentencepiece as spm
-
         self._sp = spm.SentencePieceProcessor(model_file=self.path)
         self.vocab_size = self._sp.get_piece_size()
 
@@ -71,9 +83,9 @@ class HFTokenizer:
     chat_template: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        try:
+        try:  # optional dependency (the `torch` extra): imported only when a tokenizer.json is read
             from tokenizers import Tokenizer as _Tok
-        except ImportError as e:  # optional extra
+        except ImportError as e:
             raise ImportError("reading tokenizer.json needs the `tokenizers` package: "
                               "pip install 'clover-jax[torch]'") from e
         self._tok = _Tok.from_file(os.path.join(self.directory, "tokenizer.json"))
@@ -89,7 +101,7 @@ class HFTokenizer:
     def apply_chat_template(self, prompt: str) -> str | None:
         if not self.chat_template:
             return None
-        import jinja2
+        import jinja2  # optional dependency (the `torch` extra): only checkpoints with a chat template need it
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(

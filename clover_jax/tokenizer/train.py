@@ -14,14 +14,15 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
+import sentencepiece as spm
+
+from clover_jax.errors import TokenizerTrainError
+
 PAD_ID, BOS_ID, EOS_ID, MASK_ID, UNK_ID = 0, 1, 2, 3, 4
 MASK_PIECE = "[MASK]"
 N_RESERVED = 6 + 256  # 5 special pieces, the newline piece, 256 byte-fallback pieces
 MAX_CHUNK_CHARS = 4096
 
-
-class TokenizerTrainError(ValueError):
-    """Input that cannot train a tokenizer (missing file, vocabulary too small, too little text)."""
 
 
 def _chunks(text: str) -> Iterator[str]:
@@ -51,8 +52,6 @@ def read_training_text(path: str, holdout: float = 0.0) -> str:
 def train_sentencepiece(text: str, vocab_size: int, output_dir: str, model_type: str = "bpe",
                         seed_sentences: int = 1_000_000) -> str:
     """Train on `text`; write `output_dir/tokenizer.model` (atomically). Returns its path."""
-    import sentencepiece as spm
-
     if vocab_size <= N_RESERVED:
         raise TokenizerTrainError(f"vocab_size {vocab_size} must exceed the {N_RESERVED} reserved pieces "
                                   "(specials, newline, 256 bytes)")

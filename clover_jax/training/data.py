@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Training data that cannot be used (missing, too short, malformed jsonl)."""
+from clover_jax.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -34,6 +32,7 @@ def split_text(text: str, holdout: float) -> tuple[str, str]:
 
 
 def read_text(path: str) -> str:
+    """The UTF-8 text of a training file; DataError if it does not exist."""
     if not os.path.isfile(path):
         raise DataError(f"training data {path!r} does not exist")
     with open(path, encoding="utf-8") as f:
@@ -49,6 +48,7 @@ class TokenStream:
         self.ids, self.seq_len, self.seed = np.asarray(ids, np.int32), seq_len, seed
 
     def batch(self, index: int, n: int) -> Batch:
+        """Batch `index` of `n` windows: the same for the same (seed, index), so resumed runs repeat it."""
         rng = np.random.default_rng([self.seed, index])
         starts = rng.integers(0, len(self.ids) - self.seq_len + 1, size=n)
         tokens = np.stack([self.ids[s: s + self.seq_len] for s in starts])
@@ -105,6 +105,7 @@ class PairDataset:
         return len(self.tokens)
 
     def batch(self, index: int, n: int) -> Batch:
+        """Batch `index` of `n` examples drawn with replacement, fixed by (seed, index)."""
         rng = np.random.default_rng([self.seed, index])
         idx = rng.integers(0, len(self), size=n)
         return Batch(self.tokens[idx], self.valid[idx], self.loss_mask[idx])
@@ -118,6 +119,7 @@ class PairDataset:
         return tr, ev
 
     def eval_batches(self, n_seqs: int) -> Batch:
+        """The first `n_seqs` examples, for a deterministic eval."""
         n = min(n_seqs, len(self))
         return Batch(self.tokens[:n], self.valid[:n], self.loss_mask[:n])
 

@@ -7,30 +7,29 @@ the negative log-likelihood per token.
 
 Block diffusion (block-causal configs): every block draws its own t; the noisy sequence and the clean
 one run side by side in one pass of 2L positions so that each noisy block sees exactly the context
-it will have at inference (the committed, clean blocks before it):
-
-    queries \\ keys     noisy block j          clean block j
-    noisy block i      j == i                 j <  i
-    clean block i      never                  j <= i
-
+it will have at inference: the committed, clean blocks before it (`model.masks.block_diffusion_mask`).
 Both halves use the same positions. Logits are computed for the noisy half only.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
-from clover_jax.model import ForwardOut, default_positions, forward, full_mask
-from clover_jax.moe import MoEStats
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import masks
+from clover_jax.model.moe import MoEStats
+from clover_jax.model.transformer import ForwardOut, forward
 
 Array = jax.Array
 
 
 class LossTerms(NamedTuple):
+    """Sums over one batch (divide by the scored-token count for means)."""
+
     weighted_ce: Array  # [] sum over masked positions of CE / t
     ce: Array  # [] sum over masked positions of CE (unweighted)
     correct: Array  # [] masked positions whose argmax is the original token
@@ -39,6 +38,7 @@ class LossTerms(NamedTuple):
 
 
 def n_blocks(cfg: ModelConfig, seq_len: int) -> int:
+    """Noise levels drawn per sequence: one per block for block-causal configs, else one."""
     return -(-seq_len // cfg.block_size) if cfg.is_block_causal else 1
 
 
@@ -54,51 +54,34 @@ def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float, t_max: f
     return (eps + (t_max - eps) * u).reshape(shape)
 
 
-def positions_and_blocks(cfg: ModelConfig, valid: Array) -> tuple[Array, Array]:
-    pos = default_positions(valid)
-    return pos, pos // cfg.block_size
-
-
 def corrupt(key: Array, tokens: Array, loss_mask: Array, t_pos: Array, mask_id: int) -> tuple[Array, Array]:
     """Mask each scorable token with probability t_pos: (noisy tokens, masked positions)."""
     masked = (jax.random.uniform(key, tokens.shape) < t_pos) & loss_mask
     return jnp.where(masked, mask_id, tokens), masked
 
 
-def block_diffusion_mask(valid: Array, block_ids: Array) -> Array:
-    """[B, 2L, 2L] attention mask for the concatenated (noisy, clean) sequence from valid / block ids [B, L]."""
-    qb, kb = block_ids[:, :, None], block_ids[:, None, :]
-    key_ok = valid[:, None, :]
-    noisy_noisy = (qb == kb) & key_ok
-    noisy_clean = (kb < qb) & key_ok
-    clean_noisy = jnp.zeros_like(noisy_noisy)
-    clean_clean = (kb <= qb) & key_ok
-    top = jnp.concatenate([noisy_noisy, noisy_clean], axis=2)
-    bottom = jnp.concatenate([clean_noisy, clean_clean], axis=2)
-    return jnp.concatenate([top, bottom], axis=1)
-
-
-def denoising_forward(weights, cfg: ModelConfig, noisy: Array, clean: Array, valid: Array,
-                      dispatch: str | None = None, remat: bool = False) -> ForwardOut:
+def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array, valid: Array,
+                      dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None) -> ForwardOut:
     """Logits [B, L, V] for the noisy sequence: next to the clean one for block-causal configs
     (each noisy block sees the clean blocks before it), alone for bidirectional ones."""
     seq = noisy.shape[1]
-    pos, blk = positions_and_blocks(cfg, valid)
+    pos, blk = masks.positions(valid), masks.block_ids(cfg, valid)
     if cfg.is_block_causal:
         return forward(weights, cfg, jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1),
-                       block_diffusion_mask(valid, blk), logits_len=seq, dispatch=dispatch, remat=remat)
-    return forward(weights, cfg, noisy, pos, full_mask(cfg, valid), dispatch=dispatch, remat=remat)
+                       masks.block_diffusion_mask(valid, blk), logits_len=seq, dispatch=dispatch, remat=remat,
+                       mesh=mesh)
+    return forward(weights, cfg, noisy, pos, masks.full_mask(cfg, valid), dispatch=dispatch, remat=remat, mesh=mesh)
 
 
 def diffusion_terms(
-    weights, cfg: ModelConfig, tokens: Array, valid: Array, loss_mask: Array, t_blocks: Array, key: Array,
-    dispatch: str | None = None, remat: bool = False,
+    weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, loss_mask: Array, t_blocks: Array, key: Array,
+    dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None,
 ) -> LossTerms:
     """Loss sums for one batch [B, L] at noise levels t_blocks [B, n_blocks] (n_blocks = 1 unless block-causal)."""
-    _, blk = positions_and_blocks(cfg, valid)
+    blk = masks.block_ids(cfg, valid)
     t_pos = jnp.take_along_axis(t_blocks, blk if cfg.is_block_causal else jnp.zeros_like(blk), axis=1)
     noisy, masked = corrupt(key, tokens, loss_mask & valid, t_pos, cfg.mask_token_id)
-    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat)
+    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat, mesh)
     logits = out.logits
     logp = jax.nn.log_softmax(logits, axis=-1)
     ce = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
@@ -113,4 +96,5 @@ def load_balancing_loss(st: MoEStats, n_experts: int) -> Array:
 
 
 def router_z_loss(st: MoEStats) -> Array:
+    """Mean squared logsumexp of the router logits, averaged over layers (ST-MoE's z-loss)."""
     return jnp.mean(st.z_loss)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -23,19 +22,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
 
-from clover_jax import losses
-from clover_jax import params as P
 from clover_jax.config import ModelConfig
-from clover_jax.data import Batch
-from clover_jax.sharding import use_mesh
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import params
+from clover_jax.training import losses
+from clover_jax.training.data import Batch
 
 Array = jax.Array
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Optimisation, objective and bookkeeping settings of one training run (validated on creation)."""
+
     steps: int = 1000
     batch_size: int = 16  # sequences per optimizer step (all micro-batches together)
     grad_accum: int = 1  # micro-batches per step
@@ -72,6 +76,7 @@ class TrainConfig:
 
     @property
     def micro_batch(self) -> int:
+        """Sequences per micro-batch (one scan step of the train step)."""
         return self.batch_size // self.grad_accum
 
 
@@ -89,11 +94,14 @@ class EvalProtocol:
     n_seqs: int = 16  # consecutive windows of seq_len tokens from the start of the held-out text
 
     def to_dict(self) -> dict[str, Any]:
+        """The protocol as JSON-ready values (for model cards)."""
         return dataclasses.asdict(self)
 
 
 @struct.dataclass
 class TrainState:
+    """Everything a resumed run needs: step, weights, optimizer state and the base key."""
+
     step: Array  # [] int32
     weights: Any
     opt_state: Any
@@ -102,10 +110,11 @@ class TrainState:
 
 def decay_mask(cfg: ModelConfig) -> Any:
     """Weight decay on matrices only: not norms (init ones) or selection biases (init zeros)."""
-    return P.map_specs(lambda s: s.init == "normal", cfg)
+    return params.map_specs(lambda s: s.init == "normal", cfg)
 
 
 def make_optimizer(cfg: ModelConfig, tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW (decay on matrices only) after global-norm clipping, on a warmup + cosine schedule."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, tc.lr, min(tc.warmup_steps, tc.steps - 1) if tc.steps > 1 else 0, max(tc.steps, 1),
         end_value=tc.lr * tc.min_lr_ratio)
@@ -123,12 +132,16 @@ def _expert_bias_update(weights: Any, load: Array, rate: float) -> Any:
     return weights.replace(moe_layers=moe.replace(mlp=moe.mlp.replace(expert_bias=bias)))
 
 
-def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransformation) -> Callable:
+def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransformation,
+                    mesh: MeshRules | None = None) -> Callable:
+    """step_fn(state, tokens, valid, loss_mask [accum, micro_batch, L]) -> (state, metrics): one optimizer
+    step, gradients accumulated over the micro-batches by a scan inside the program."""
+
     def micro_loss(weights: Any, tok: Array, val: Array, lm: Array, key: Array, n_scored: Array):
         nb = losses.n_blocks(cfg, tok.shape[1])
         k_t, k_m = jax.random.split(key)
         t = losses.sample_noise_levels(k_t, (tok.shape[0], nb), tc.noise_eps, tc.noise_max)
-        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat)
+        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh)
         diff = terms.weighted_ce / n_scored
         lb = z = jnp.zeros((), jnp.float32)
         if terms.moe is not None:
@@ -172,7 +185,8 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
     return step_fn
 
 
-def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None) -> Callable:
+def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
+                 mesh: MeshRules | None = None) -> Callable:
     """(weights, tokens, valid, loss_mask [chunks, mb, L]) -> dict of eval figures; one jitted program."""
     grid = jnp.asarray(proto.t_grid, jnp.float32)
 
@@ -185,7 +199,7 @@ def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None) ->
             def at_t(acc, j):
                 t = jnp.full((tok.shape[0], losses.n_blocks(cfg, tok.shape[1])), grid[j])
                 key = jax.random.fold_in(jax.random.fold_in(base, i), j)
-                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch)
+                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh)
                 return (acc[0] + terms.weighted_ce, acc[1] + terms.ce, acc[2] + terms.correct,
                         acc[3] + terms.n_masked), None
 
@@ -204,6 +218,7 @@ def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None) ->
 
 def chunk_batch(b: Batch, n_chunks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[n, L] -> [n_chunks, n / n_chunks, L] for the scan inside the step / eval."""
+
     def r(x: np.ndarray) -> np.ndarray:
         return x.reshape(n_chunks, x.shape[0] // n_chunks, *x.shape[1:])
 
@@ -236,6 +251,8 @@ def evaluate(weights: Any, cfg: ModelConfig, batch: Batch, proto: EvalProtocol =
 
 @dataclass
 class TrainResult:
+    """What `train` returns: the final state, this call's losses and evals, and the run's totals."""
+
     state: TrainState
     losses: list[float]  # per step, this run only (index = step - first step)
     first_step: int
@@ -246,9 +263,7 @@ class TrainResult:
     total_wall_s: float = 0.0
 
 
-def _checkpoint_manager(directory: str, tc: TrainConfig):
-    import orbax.checkpoint as ocp
-
+def _checkpoint_manager(directory: str, tc: TrainConfig) -> ocp.CheckpointManager:
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True)
     return ocp.CheckpointManager(os.path.abspath(directory), options=opts)
 
@@ -258,17 +273,13 @@ def _state_dict(state: TrainState) -> dict[str, Any]:
     return {f"{i:05d}": x for i, x in enumerate(leaves)}
 
 
-def _save(mngr, state: TrainState, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
+def _save(mngr: ocp.CheckpointManager, state: TrainState, meta: dict) -> None:
     step = int(state.step)
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_dict(state)),
                                             meta=ocp.args.JsonSave(meta)), force=True)
 
 
-def _restore(mngr, state: TrainState) -> tuple[TrainState, dict] | None:
-    import orbax.checkpoint as ocp
-
+def _restore(mngr: ocp.CheckpointManager, state: TrainState) -> tuple[TrainState, dict] | None:
     step = mngr.latest_step()
     if step is None:
         return None
@@ -285,8 +296,7 @@ def train(
     train_data: Any,
     eval_data: Any | None = None,
     ckpt_dir: str | None = None,
-    mesh: Any = None,
-    rules: Any = None,
+    mesh: MeshRules | None = None,
     stop_at: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
@@ -295,31 +305,28 @@ def train(
     """Train from scratch or resume from the latest checkpoint in `ckpt_dir`.
 
     train_data / eval_data: objects with `batch(index, n) -> Batch` / `eval_batches(n) -> Batch`.
+    mesh: train data-parallel / sharded on this mesh (weights in `params.weight_shardings` of it).
     stop_at: stop (and checkpoint) after this global step, as an interruption would.
     """
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from clover_jax.sharding import weight_shardings
-
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     tx = make_optimizer(cfg, tc)
     w_sh = batch_sh = None
     if mesh is not None:
-        w_sh = weight_shardings(cfg, mesh, rules)
-        data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape and mesh.shape[a] > 1)
-        if tc.micro_batch % max(1, math.prod(mesh.shape[a] for a in data_axes)):
+        w_sh = params.weight_shardings(cfg, mesh.mesh, mesh.rules)
+        data_axes = tuple(a for a in ("data", "fsdp") if mesh.size(a) > 1)
+        if tc.micro_batch % max(1, math.prod(mesh.size(a) for a in data_axes)):
             raise ValueError(f"micro batch {tc.micro_batch} is not divisible by the data axes {data_axes} of the mesh")
-        batch_sh = NamedSharding(mesh, PartitionSpec(None, data_axes or None, None))
+        batch_sh = NamedSharding(mesh.mesh, PartitionSpec(None, data_axes or None, None))
     key = jax.random.PRNGKey(tc.seed)
     k_init, k_train = jax.random.split(key)
-    weights = init_weights if init_weights is not None else P.init(cfg, k_init, w_sh)
+    weights = init_weights if init_weights is not None else params.init(cfg, k_init, w_sh)
     opt_state = jax.jit(tx.init)(weights)
     state = TrainState(jnp.zeros((), jnp.int32), weights, opt_state, k_train)
     if mesh is not None:
         # Optimizer moments follow their weights' shardings; scalars (step, counts, key) are replicated.
-        rep = NamedSharding(mesh, PartitionSpec())
+        rep = NamedSharding(mesh.mesh, PartitionSpec())
         state = jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+            lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh.mesh
             else jax.device_put(x, rep), state)
 
     mngr = _checkpoint_manager(ckpt_dir, tc) if ckpt_dir else None
@@ -340,7 +347,7 @@ def train(
     if mesh is None:
         step_fn = _single_device_step(cfg, tc)  # shared by calls with the same configs (resume, tests)
     else:
-        step_fn = jax.jit(make_train_step(cfg, tc, tx), donate_argnums=0,
+        step_fn = jax.jit(make_train_step(cfg, tc, tx, mesh), donate_argnums=0,
                           in_shardings=(state_sh, batch_sh, batch_sh, batch_sh), out_shardings=(state_sh, None))
     eval_arrays = None
     eval_fn = None
@@ -350,7 +357,7 @@ def train(
         mb = min(proto.micro_batch, eb.tokens.shape[0])
         n = eb.tokens.shape[0] // mb * mb
         eval_arrays = chunk_batch(Batch(eb.tokens[:n], eb.valid[:n], eb.loss_mask[:n]), n // mb)
-        eval_fn = jax.jit(make_eval_fn(cfg, proto, tc.dispatch))
+        eval_fn = jax.jit(make_eval_fn(cfg, proto, tc.dispatch, mesh))
 
     first = int(state.step)
     last = tc.steps if stop_at is None else min(stop_at, tc.steps)
@@ -358,7 +365,6 @@ def train(
     evals: list[dict] = []
     tokens_seen = 0
     t0 = time.perf_counter()
-    ctx = use_mesh(mesh, rules) if mesh is not None else _null()
 
     def totals() -> dict:
         return {"tokens_seen": prev_tokens + tokens_seen, "wall_s": prev_wall + time.perf_counter() - t0}
@@ -373,33 +379,30 @@ def train(
 
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=tc.steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     step = first
     try:
-        with ctx:
-            while step < last:
-                b = train_data.batch(step, tc.batch_size)
-                arrays = chunk_batch(b, tc.grad_accum)
-                ts = time.perf_counter()
-                state, metrics = step_fn(state, *arrays)
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                dt = time.perf_counter() - ts
-                step += 1
-                n_tok = int(b.valid.sum())
-                tokens_seen += n_tok
-                hist.append(m["loss"])
-                if bar is not None:
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{n_tok / dt:.0f}")
-                    bar.update(1)
-                if step % tc.log_every == 0 or step == last:
-                    log(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in m.items())
-                        + f" tok/s {n_tok / dt:.0f} elapsed {time.perf_counter() - t0:.0f}s")
-                if step % tc.eval_every == 0 or step == tc.steps:
-                    run_eval(step)
-                if mngr is not None and (step % tc.ckpt_every == 0 or step == last):
-                    _save(mngr, state, {**meta_base, **totals(), "data_position": step})
+        while step < last:
+            b = train_data.batch(step, tc.batch_size)
+            arrays = chunk_batch(b, tc.grad_accum)
+            ts = time.perf_counter()
+            state, metrics = step_fn(state, *arrays)
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            dt = time.perf_counter() - ts
+            step += 1
+            n_tok = int(b.valid.sum())
+            tokens_seen += n_tok
+            hist.append(m["loss"])
+            if bar is not None:
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{n_tok / dt:.0f}")
+                bar.update(1)
+            if step % tc.log_every == 0 or step == last:
+                log(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in m.items())
+                    + f" tok/s {n_tok / dt:.0f} elapsed {time.perf_counter() - t0:.0f}s")
+            if step % tc.eval_every == 0 or step == tc.steps:
+                run_eval(step)
+            if mngr is not None and (step % tc.ckpt_every == 0 or step == last):
+                _save(mngr, state, {**meta_base, **totals(), "data_position": step})
     except KeyboardInterrupt:
         # The interrupt may land after a step ran but before `step` counted it: trust the state's own step.
         if mngr is not None and not any(x.is_deleted() for x in jax.tree.leaves(state)):
@@ -416,16 +419,3 @@ def train(
         mngr.close()
     wall = time.perf_counter() - t0
     return TrainResult(state, hist, first, evals, tokens_seen, wall, prev_tokens + tokens_seen, prev_wall + wall)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
-
-
-def save_train_summary(path: str, summary: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=2)

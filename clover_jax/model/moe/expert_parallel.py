@@ -2,7 +2,7 @@
 
 Experts are split over the mesh axes that the rule for `experts` names (the "expert axis", size
 n_ep), each expert's width over the axes of `expert_mlp` (the "tensor axis"), tokens over the axes
-of `batch`. Three strategies, registered into `moe.DISPATCH` (same signature and result as `dense`):
+of `batch`. Three strategies, listed in `dispatch.DISPATCH` (same signature and result as `dense`):
 
 - `ep_gather`:     tokens stay where they are (replicated over the expert axis); each shard runs
                    the token copies routed to its own experts, then `psum_scatter` (or `psum`) adds
@@ -15,15 +15,15 @@ of `batch`. Three strategies, registered into `moe.DISPATCH` (same signature and
 - `ep_ragged_a2a`: like `ep_a2a` but dropless: variable-sized chunks with `lax.ragged_all_to_all`
                    into a receive buffer large enough for the worst case. TPU/GPU only.
 
-The mesh and rules come from `sharding.use_mesh`; without one, a one-device mesh is used (the
-strategies then equal `dense` trivially). Knobs read at trace time (a jitted function keeps the
-value it was traced with):
+The mesh and rules are the `mesh` argument (a `mesh.rules.MeshRules`); without one, a one-device
+mesh is used (the strategies then equal `dense` trivially). Knobs read at trace time (a jitted
+function keeps the value it was traced with):
 
 - capacity factor of `ep_a2a`: `capacity_factor(cf)` context, else $CLOVER_EP_CAPACITY_FACTOR,
   else `CAPACITY_FACTOR`. C = ceil(cf * local_copies / n_ep), at most local_copies (cf >= n_ep
   never drops).
 - local grouped matmul: `local_matmul("ragged"|"tiled"|"dense")` context, else
-  $CLOVER_EP_LOCAL_MATMUL, else `auto` (`tiled` = moe.grouped_swiglu on CPU devices,
+  $CLOVER_EP_LOCAL_MATMUL, else `auto` (`tiled` = the grouped SwiGLU walk on CPU devices,
   `lax.ragged_dot` on TPU/GPU).
 
 All three are differentiable (training under a mesh): inputs replicated over a mesh axis get their
@@ -45,10 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from clover_jax import moe, sharding
 from clover_jax.config import ModelConfig
-from clover_jax.moe import Routing
-from clover_jax.params import MoEWeights
+from clover_jax.errors import ShardingError
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.model.moe.grouped_swiglu import grouped_swiglu
+from clover_jax.model.moe.routing import Routing
+from clover_jax.model.moe.sorting import combine_sorted, sort_by_expert
+from clover_jax.model.params import MoEWeights
 
 Array = jax.Array
 
@@ -104,11 +107,12 @@ def _local_impl(mesh: Mesh) -> str:
     if impl not in LOCAL_MATMULS:
         raise ValueError(f"CLOVER_EP_LOCAL_MATMUL must be one of {LOCAL_MATMULS}, got {impl!r}")
     if impl == "auto":
-        impl = "tiled" if _platform(mesh) == "cpu" else "ragged"
+        impl = "tiled" if platform(mesh) == "cpu" else "ragged"
     return impl
 
 
-def _platform(mesh: Mesh) -> str:
+def platform(mesh: Mesh) -> str:
+    """The platform of the mesh's devices: cpu, gpu or tpu."""
     return str(mesh.devices.flat[0].platform)
 
 
@@ -143,28 +147,25 @@ def _spec(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def ep_axes(cfg: ModelConfig) -> EPAxes:
-    """Expert-parallel axes of the active mesh (or a one-device mesh when none is active)."""
-    active = sharding.active_mesh()
-    if active is None:
+def ep_axes(cfg: ModelConfig, mesh_rules: MeshRules | None) -> EPAxes:
+    """Expert-parallel axes of `mesh_rules` (a one-device mesh when None)."""
+    if mesh_rules is None:
         mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
         return EPAxes(mesh, (), (), ())
-    mesh, rules = active
+    mesh, rules = mesh_rules.mesh, mesh_rules.rules
 
     def axes_of(logical: str, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
-        rule = rules.get(logical)
-        names = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
-        return tuple(a for a in names if a in mesh.shape and mesh.shape[a] > 1 and a not in exclude)
+        return tuple(a for a in rules.mesh_axes(logical) if a in mesh.shape and mesh.shape[a] > 1 and a not in exclude)
 
     expert = axes_of("experts")
     tensor = axes_of("expert_mlp", expert)
     token = axes_of("batch", expert + tensor)
     ax = EPAxes(mesh, token, expert, tensor)
     if cfg.n_experts % ax.n_ep:
-        raise sharding.ShardingError(
+        raise ShardingError(
             f"{cfg.n_experts} experts cannot be split over mesh axes {expert} of size {ax.n_ep}")
     if cfg.expert_mlp_dim % ax.size(tensor):
-        raise sharding.ShardingError(
+        raise ShardingError(
             f"expert width {cfg.expert_mlp_dim} cannot be split over mesh axes {tensor} of size {ax.size(tensor)}")
     return ax
 
@@ -215,8 +216,8 @@ def _same_vma(*arrays: Array) -> list[Array]:
     return out
 
 
-def grouped_ffn(rows: Array, local_ids: Array, gate: Array, up: Array, down: Array, impl: str) -> Array:
-    """SwiGLU of each row through its local expert; local_ids == n_local marks an empty row (-> 0)."""
+def local_swiglu(rows: Array, local_ids: Array, gate: Array, up: Array, down: Array, impl: str) -> Array:
+    """SwiGLU of each (unsorted) row through its local expert; local_ids == n_local marks an empty row (-> 0)."""
     n_local = gate.shape[0]
     valid = local_ids < n_local
     if impl == "dense":
@@ -232,7 +233,7 @@ def grouped_ffn(rows: Array, local_ids: Array, gate: Array, up: Array, down: Arr
         y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
     elif impl == "tiled":
         sorted_rows, gate, up, down = _same_vma(sorted_rows, gate, up, down)
-        y = moe.grouped_swiglu(sorted_rows, sizes, gate, up, down)
+        y = grouped_swiglu(sorted_rows, sizes, gate, up, down)
     else:
         raise ValueError(f"unknown local matmul {impl!r}")
     y = jnp.zeros_like(y).at[order].set(y)
@@ -252,9 +253,9 @@ def _shard_map(fn: Callable, ax: EPAxes, in_specs: tuple, out_specs: object) -> 
 # ---- strategies -----------------------------------------------------------------------------------
 
 
-@moe.register("ep_gather")
-def dispatch_ep_gather(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tuple[Array, Array]:
-    ax = ep_axes(cfg)
+def dispatch_ep_gather(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
+                       layer: Array | None = None) -> tuple[Array, Array]:
+    ax = ep_axes(cfg, mesh)
     n_tok, n_ep = ax.size(ax.token), ax.n_ep
     n = x.shape[0]
     xp, experts, weights = _pad_tokens(x, r, n_tok)
@@ -269,7 +270,7 @@ def dispatch_ep_gather(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) ->
         mine = (rel >= 0) & (rel < e_local)
         ids = jnp.where(mine, rel, e_local).reshape(-1)
         rows = jnp.repeat(x, k, axis=0)
-        y = grouped_ffn(rows, ids, gate, up, down, impl)
+        y = local_swiglu(rows, ids, gate, up, down, impl)
         y = _combine(y, jnp.where(mine, weights, 0.0), jnp.float32)
         if ax.expert:
             y = jax.lax.psum_scatter(y, ax.expert, scatter_dimension=0, tiled=True) if scatter \
@@ -289,9 +290,9 @@ def a2a_capacity(local_copies: int, n_ep: int, cf: float) -> int:
     return max(1, min(local_copies, math.ceil(cf * local_copies / n_ep)))
 
 
-@moe.register("ep_a2a")
-def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tuple[Array, Array]:
-    ax = ep_axes(cfg)
+def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
+                    layer: Array | None = None) -> tuple[Array, Array]:
+    ax = ep_axes(cfg, mesh)
     split = ax.token + ax.expert
     n_split, n_ep = ax.size(split), ax.n_ep
     n = x.shape[0]
@@ -319,7 +320,7 @@ def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tu
             send = jax.lax.all_to_all(send, ax.expert, 0, 0, tiled=True)
             send_ids = jax.lax.all_to_all(send_ids, ax.expert, 0, 0, tiled=True)
         ids = jnp.where(send_ids >= 0, send_ids, e_local).reshape(-1)
-        y = grouped_ffn(send.reshape(-1, d), ids, gate, up, down, impl).reshape(n_ep, cap, d)
+        y = local_swiglu(send.reshape(-1, d), ids, gate, up, down, impl).reshape(n_ep, cap, d)
         if ax.expert:
             y = jax.lax.all_to_all(y, ax.expert, 0, 0, tiled=True)
         y = jnp.concatenate([y.reshape(-1, d), jnp.zeros((1, d), y.dtype)])[slot]
@@ -367,11 +368,11 @@ def _ragged_all_to_all_reference(operand: Array, output: Array, input_offsets: A
     return output
 
 
-@moe.register("ep_ragged_a2a")
-def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig) -> tuple[Array, Array]:
-    ax = ep_axes(cfg)
+def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
+                           layer: Array | None = None) -> tuple[Array, Array]:
+    ax = ep_axes(cfg, mesh)
     emulate = _EMULATE_RAGGED.get()
-    if _platform(ax.mesh) == "cpu" and not emulate:
+    if platform(ax.mesh) == "cpu" and not emulate:
         raise NotImplementedError(
             "ep_ragged_a2a needs jax.lax.ragged_all_to_all, which XLA implements on TPU and GPU only; "
             "on CPU use ep_a2a (capacity-limited) or ep_gather (dropless)")
@@ -411,7 +412,7 @@ def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig
         recv_ids = ragged(local_ids[:, None], jnp.full((buf, 1), -1, jnp.int32), in_offsets,
                                              send_sizes, out_offsets, recv_sizes, axis_name=ax.expert)[:, 0]
         ids = jnp.where(recv_ids >= 0, recv_ids, e_local)
-        y = grouped_ffn(recv, ids, gate, up, down, impl)
+        y = local_swiglu(recv, ids, gate, up, down, impl)
         back = ragged(y, jnp.zeros((nk, d), y.dtype), recv_offsets, recv_sizes,
                                          back_offsets, send_sizes, axis_name=ax.expert)
         y_copies = jnp.zeros_like(back).at[order].set(back)
@@ -421,17 +422,10 @@ def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig
         return out.astype(x.dtype)
 
     if not ax.expert:  # nothing to exchange: the grouped matmul alone
-        s = moe.sort_by_expert(x, r, cfg.n_experts)
+        s = sort_by_expert(x, r, cfg.n_experts)
         ids = jnp.repeat(jnp.arange(cfg.n_experts), s.group_sizes, total_repeat_length=s.rows.shape[0])
-        y = grouped_ffn(s.rows, ids, w.gate, w.up, w.down, impl)
-        return moe.combine_sorted(y, s, r, x.dtype), jnp.zeros((), jnp.int32)
+        y = local_swiglu(s.rows, ids, w.gate, w.up, w.down, impl)
+        return combine_sorted(y, s, r, x.dtype), jnp.zeros((), jnp.int32)
     tok = PartitionSpec(_spec(split), None)
     y = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax)), tok)(xp, experts, weights, w.gate, w.up, w.down)
     return y[:n], jnp.zeros((), jnp.int32)
-
-
-def choose_dispatch(mesh: Mesh | None) -> str:
-    """A sensible expert-parallel strategy for a mesh: dropless everywhere, all-to-all where it is cheap."""
-    if mesh is None or mesh.size == 1:
-        return "tiled"
-    return "ep_gather" if _platform(mesh) == "cpu" else "ep_ragged_a2a"

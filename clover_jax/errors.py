@@ -1,0 +1,49 @@
+"""Every error a user can cause, under one base class.
+
+`clover` prints any `CloverError` as one line (`clover COMMAND: error: ...`, exit code 2) and lets
+everything else through as a traceback: an exception that is not a `CloverError` is a bug. Each
+subclass names the concern that raises it; all are `ValueError`s, so code that caught the old
+per-module errors as `ValueError` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class CloverError(ValueError):
+    """Bad input that Clover-JAX refuses with a message naming the problem."""
+
+
+class ConfigError(CloverError):
+    """A model config that cannot describe a working model (raised before anything is traced)."""
+
+
+class ShardingError(CloverError):
+    """A mesh, a layout file or a rules table that cannot shard the model."""
+
+
+class CheckpointError(CloverError):
+    """A checkpoint directory that is missing, malformed, or disagrees with its config."""
+
+
+class ConversionError(CloverError):
+    """A HuggingFace checkpoint or conversion request that cannot be converted faithfully."""
+
+
+class SamplerError(CloverError):
+    """A sampling request that cannot run; raised before anything is compiled."""
+
+
+class PlanError(CloverError):
+    """A planning request that cannot be answered (unknown chip, bad shapes, no libtpu)."""
+
+
+class DataError(CloverError):
+    """Training data that cannot be read or does not fit the requested shapes."""
+
+
+class TokenizerTrainError(CloverError):
+    """A tokenizer training request that cannot run."""
+
+
+class UsageError(CloverError):
+    """A command-line request that cannot run (flags that contradict each other, missing files)."""

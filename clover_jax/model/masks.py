@@ -1,0 +1,79 @@
+"""Every attention mask and block-id rule of the project, in one place.
+
+A block-diffusion model attends by blocks: `bidirectional` models see every valid key,
+`block_causal` ones see full attention inside a block and causal attention across blocks
+(a query sees keys whose block id is <= its own). Masks are boolean [B, Tq, Tk], True where the
+query may attend to the key. Positions count only valid (non-padding) tokens, so left padding never
+shifts a row; block ids follow each row's own positions (LLaDA2's absolute blocks).
+
+Three callers build masks from these rules: a plain forward pass (`full_mask`), the sampler's
+canvas (`canvas_block_ids` + `attention_mask`) and block-diffusion training
+(`block_diffusion_mask`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+def positions(valid: Array) -> Array:
+    """Rotary positions [B, T] counting only valid tokens, so left padding does not shift a row."""
+    return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def block_ids(cfg: ModelConfig, valid: Array) -> Array:
+    """Block ids [B, T] aligned to each row's own positions: position // cfg.block_size."""
+    return positions(valid) // cfg.block_size
+
+
+def canvas_block_ids(pos: Array, prompt_len: int, block_length: int, block_size: int) -> Array:
+    """Block ids of the sampler's canvas [B, P + G (+ padding)]: prompt columns get
+    position // block_size; generated block j (columns P + j*L ...) gets P + j, larger than every
+    prompt block, so the first generated block sees the whole prompt and the prompt never sees the
+    generation (which is what makes caching exact for block-causal models)."""
+    col = jnp.arange(pos.shape[-1])[None]
+    return jnp.where(col < prompt_len, pos // block_size, prompt_len + (col - prompt_len) // block_length)
+
+
+def attention_mask(q_valid: Array, q_block: Array, k_valid: Array, k_block: Array, block_causal: bool) -> Array:
+    """Boolean mask [B, Tq, Tk]: True where query may attend to key.
+
+    Keys must be valid (not padding). Block-causal: a query sees keys whose block id is <= its own
+    (full attention inside a block, causal across blocks). Queries that are padding still see every
+    valid key so that their (discarded) rows stay finite.
+    """
+    mask = jnp.broadcast_to(k_valid[:, None, :], (q_valid.shape[0], q_valid.shape[1], k_valid.shape[1]))
+    if block_causal:
+        mask = mask & (k_block[:, None, :] <= q_block[:, :, None])
+    return mask
+
+
+def full_mask(cfg: ModelConfig, valid: Array, blocks: Array | None = None) -> Array:
+    """Mask for a cache-free pass over [B, T] tokens: padding keys hidden, block-causal if configured."""
+    if blocks is None:
+        blocks = block_ids(cfg, valid)
+    return attention_mask(valid, blocks, valid, blocks, cfg.is_block_causal)
+
+
+def block_diffusion_mask(valid: Array, blocks: Array) -> Array:
+    """[B, 2L, 2L] mask for block-diffusion training's concatenated (noisy, clean) sequence, from
+    valid / block ids [B, L]:
+
+        queries \\ keys     noisy block j          clean block j
+        noisy block i      j == i                 j <  i
+        clean block i      never                  j <= i
+    """
+    qb, kb = blocks[:, :, None], blocks[:, None, :]
+    key_ok = valid[:, None, :]
+    noisy_noisy = (qb == kb) & key_ok
+    noisy_clean = (kb < qb) & key_ok
+    clean_noisy = jnp.zeros_like(noisy_noisy)
+    clean_clean = (kb <= qb) & key_ok
+    top = jnp.concatenate([noisy_noisy, noisy_clean], axis=2)
+    bottom = jnp.concatenate([clean_noisy, clean_clean], axis=2)
+    return jnp.concatenate([top, bottom], axis=1)

@@ -1,0 +1,67 @@
+"""MoE routing in float32: which experts each token visits, with which weights, and the per-layer
+statistics that the load-balancing and z-losses read."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.config import ModelConfig
+from clover_jax.model.params import MoEWeights
+
+Array = jax.Array
+
+
+class Routing(NamedTuple):
+    experts: Array  # [N, k] int32 chosen experts
+    weights: Array  # [N, k] float32 combine weights
+    logits: Array  # [N, E] float32 router logits (z-loss)
+    probs: Array  # [N, E] float32 router scores (load-balancing loss)
+
+
+class MoEStats(NamedTuple):
+    """Per-layer statistics for load balancing and monitoring."""
+
+    load: Array  # [E] fraction of routed token copies each expert received
+    importance: Array  # [E] mean router probability per expert
+    z_loss: Array  # [] mean squared logsumexp of router logits
+    dropped: Array  # [] token copies dropped by capacity-limited strategies (0 when dropless)
+
+
+def route(x: Array, w: MoEWeights, cfg: ModelConfig) -> Routing:
+    """Top-k routing for tokens x [N, D]."""
+    logits = x.astype(jnp.float32) @ w.router.astype(jnp.float32)
+    k = cfg.n_experts_per_tok
+    if cfg.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        # LLaDA-MoE adds its optional bias to the probabilities and keeps it in the weights.
+        top_w, top_e = jax.lax.top_k(probs + w.expert_bias if w.expert_bias is not None else probs, k)
+    else:
+        # LLaDA2 / DeepSeek-V3: select on sigmoid + bias inside the best groups, weight by unbiased sigmoid.
+        probs = jax.nn.sigmoid(logits)
+        choice = probs + w.expert_bias if w.expert_bias is not None else probs
+        if cfg.n_expert_groups > 1:
+            n, g = choice.shape[0], cfg.n_expert_groups
+            grouped = choice.reshape(n, g, -1)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+            _, top_groups = jax.lax.top_k(group_score, cfg.topk_groups)
+            keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+            choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, -1)
+        _, top_e = jax.lax.top_k(choice, k)
+        top_w = jnp.take_along_axis(probs, top_e, axis=-1)
+    if cfg.norm_topk_prob:
+        top_w = top_w / (top_w.sum(-1, keepdims=True) + (1e-20 if cfg.router == "sigmoid" else 0.0))
+    top_w = top_w * cfg.routed_scaling_factor
+    return Routing(top_e.astype(jnp.int32), top_w, logits, probs)
+
+
+def stats(r: Routing, n_experts: int, dropped: Array | None = None) -> MoEStats:
+    counts = jnp.zeros((n_experts,), jnp.float32).at[r.experts.reshape(-1)].add(1.0)
+    return MoEStats(
+        load=counts / r.experts.size,
+        importance=r.probs.mean(0),
+        z_loss=jnp.mean(jax.nn.logsumexp(r.logits, axis=-1) ** 2),
+        dropped=jnp.zeros((), jnp.float32) if dropped is None else dropped.astype(jnp.float32),
+    )

@@ -1,0 +1,147 @@
+"""The arithmetic of a plan: chip figures, pass shapes, weight / cache bytes per chip and analytic
+FLOPs and HBM traffic (XLA's cost analysis counts a `lax.scan` body once rather than once per layer,
+and ragged / collective ops approximately, so the roofline uses these counts)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clover_jax.config import ModelConfig
+from clover_jax.mesh.layouts import Layout
+from clover_jax.mesh.rules import as_tuple
+from clover_jax.model import params
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator's published figures."""
+
+    name: str
+    hbm_bytes: float  # per chip
+    peak_flops: float  # dense bf16 FLOP/s per chip
+    hbm_bw: float  # bytes/s per chip
+    source: str = ""
+
+
+# Published per-chip figures (dense bf16; no sparsity). Vendor spec sheets, 2024-25.
+CHIPS: dict[str, Chip] = {
+    "v5e": Chip("TPU v5e", 16e9, 197e12, 819e9, "cloud.google.com/tpu/docs/v5e"),
+    "v5p": Chip("TPU v5p", 95e9, 459e12, 2765e9, "cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip("TPU v6e (Trillium)", 32e9, 918e12, 1640e9, "cloud.google.com/tpu/docs/v6e"),
+    "h100": Chip("NVIDIA H100 SXM", 80e9, 989e12, 3.35e12, "nvidia.com H100 datasheet"),
+    "h200": Chip("NVIDIA H200 SXM", 141e9, 989e12, 4.8e12, "nvidia.com H200 datasheet"),
+}
+
+# On GPUs JAX preallocates 75% of device memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION).
+GPU_USABLE_FRACTION = 0.75
+
+
+# ---- shapes of the two passes -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """One of the two forward passes a plan compiles or counts."""
+
+    name: str
+    batch: int
+    window: int  # query tokens W
+    kv_len: int  # key columns S attended to (the cache length, or W without a cache)
+    logits_len: int  # positions the LM head runs on
+    cached: bool
+
+
+def passes(cfg: ModelConfig, batch: int, seq_len: int, block: int) -> list[PassShape]:
+    """The sampler's two passes: a cached block step and a cache-free full-canvas step."""
+    return [
+        PassShape("cached block", batch, block, seq_len, block, True),
+        PassShape("full canvas", batch, seq_len, seq_len, block, False),
+    ]
+
+
+# ---- arithmetic -------------------------------------------------------------------------------
+
+
+def mesh_factor(spec: Any, mesh_shape: dict[str, int]) -> int:
+    """How many ways a PartitionSpec splits an array on a mesh of this shape."""
+    n = 1
+    for part in spec:
+        for ax in as_tuple(part):
+            n *= mesh_shape[ax]
+    return n
+
+
+def weight_bytes_per_chip(cfg: ModelConfig, shardings: Any, mesh_shape: dict[str, int]) -> tuple[int, int]:
+    """(bytes of all weights, bytes one chip holds) from the abstract weights and their shardings."""
+    total = per_chip = 0
+    pairs = zip(params.named_leaves(params.abstract(cfg)), params.named_leaves(shardings), strict=True)
+    for (_, spec), (_, sh) in pairs:
+        nbytes = spec.size * np.dtype(spec.dtype).itemsize
+        total += nbytes
+        per_chip += nbytes // mesh_factor(sh.spec, mesh_shape)
+    return total, per_chip
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """Bytes of the K/V cache of every layer for `batch` rows of `seq_len` columns."""
+    return 2 * cfg.n_layers * batch * seq_len * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+
+
+def analytic_flops(cfg: ModelConfig, p: PassShape) -> float:
+    """Matmul FLOPs (2 per multiply-add) the forward pass executes, over all chips.
+
+    Attention is dense over all S key columns (the mask hides, it does not skip), so that is counted.
+    """
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    proj = 2 * d * hd * (2 * h + 2 * kv + (h if cfg.attn_output_gate else 0))
+    attn = 2 * 2 * h * hd * p.kv_len
+    moe_layer = 2 * d * cfg.n_experts + cfg.n_experts_per_tok * 6 * d * cfg.expert_mlp_dim + 6 * d * cfg.shared_mlp_dim
+    dense_layer = 6 * d * cfg.dense_mlp_dim
+    per_token = cfg.n_layers * (proj + attn) + cfg.n_moe_layers * moe_layer + cfg.n_dense_layers * dense_layer
+    return float(p.batch * p.window * per_token + p.batch * p.logits_len * 2 * d * cfg.vocab_size)
+
+
+def analytic_bytes_per_chip(cfg: ModelConfig, p: PassShape, weights_per_chip: int, cache_shards: int) -> float:
+    """HBM traffic per chip, an upper bound: every local weight read once, the cache read once."""
+    kv = cache_bytes(cfg, p.batch, p.kv_len) / cache_shards if p.cached else 0.0
+    logits = p.batch * p.logits_len * cfg.vocab_size * 4
+    return float(weights_per_chip + kv + logits)
+
+
+def experts_touched(cfg: ModelConfig, tokens: int) -> float:
+    """Expected fraction of experts a pass of `tokens` routes to (uniform top-k routing)."""
+    if not cfg.n_experts:
+        return 0.0
+    return 1.0 - (1.0 - cfg.n_experts_per_tok / cfg.n_experts) ** tokens
+
+
+def shards(layout: Layout, *logical: str) -> int:
+    """Shards a tensor gets when its dims carry these logical axes (each mesh axis counted once)."""
+    axes = {a for name in logical for a in layout.rules.mesh_axes(name)}
+    return int(math.prod(n for n, a in zip(layout.shape, layout.axes, strict=True) if a in axes))
+
+
+def analytic_flops_per_chip(cfg: ModelConfig, p: PassShape, layout: Layout, scan_once: bool = False) -> float:
+    """The busiest chip's share: work a rule does not shard is repeated on every chip of that axis
+    (e.g. attention with heads unsharded runs whole on every expert shard).
+
+    scan_once: count each layer stack's body once, as XLA's cost analysis does for a `lax.scan`
+    (to cross-check the compiler's figure, not to estimate time)."""
+    if scan_once:
+        cfg = cfg.replace(n_layers=int(cfg.n_dense_layers > 0) + int(cfg.n_moe_layers > 0),
+                          n_dense_layers=int(cfg.n_dense_layers > 0))
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    tokens, logit_tokens = p.batch * p.window, p.batch * p.logits_len
+    proj = 2 * d * hd * (2 * h + 2 * kv + (h if cfg.attn_output_gate else 0))
+    attn = cfg.n_layers * (proj + 2 * 2 * h * hd * p.kv_len) * tokens / shards(layout, "batch", "q_heads")
+    experts = cfg.n_moe_layers * (cfg.n_experts_per_tok * 6 * d * cfg.expert_mlp_dim) * tokens / shards(
+        layout, "batch", "experts", "expert_mlp")
+    router = cfg.n_moe_layers * 2 * d * cfg.n_experts * tokens / shards(layout, "batch")
+    mlp = (cfg.n_moe_layers * 6 * d * cfg.shared_mlp_dim + cfg.n_dense_layers * 6 * d * cfg.dense_mlp_dim) * tokens \
+        / shards(layout, "batch", "mlp")
+    head = 2 * d * cfg.vocab_size * logit_tokens / shards(layout, "batch", "vocab")
+    return float(attn + experts + router + mlp + head)

@@ -1,0 +1,42 @@
+"""The masked-diffusion sampler: `generate(weights, cfg, prompts, SamplerConfig(...))`.
+
+`generate` checks and batches a request and runs it as one compiled program (`program`); the
+per-step arithmetic (filters, draws, remasking scores, the commit rule) is in `scoring`.
+"""
+
+from clover_jax.errors import SamplerError
+from clover_jax.sampler.generate import (
+    GenerateResult,
+    SamplerConfig,
+    SamplerStats,
+    batch_bucket,
+    check_prompts,
+    check_settings,
+    compile_count,
+    generate,
+    prepare_batch,
+    resolve_cache,
+    validate,
+)
+from clover_jax.sampler.program import CACHE_MODES, ModelForward, ProgramSpec
+from clover_jax.sampler.scoring import REMASKING, remasking_index
+
+__all__ = [
+    "CACHE_MODES",
+    "REMASKING",
+    "GenerateResult",
+    "ModelForward",
+    "ProgramSpec",
+    "SamplerConfig",
+    "SamplerError",
+    "SamplerStats",
+    "batch_bucket",
+    "check_prompts",
+    "check_settings",
+    "compile_count",
+    "generate",
+    "prepare_batch",
+    "remasking_index",
+    "resolve_cache",
+    "validate",
+]

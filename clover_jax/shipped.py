@@ -1,0 +1,15 @@
+"""Files that ship inside the package: the named mesh layouts and the trained `clover-tiny` model.
+
+In the repository they live in the top-level `sharding/` and `checkpoints/clover-tiny/` folders;
+`clover_jax/_shipped/` links to both, and a wheel carries copies, so the same paths work from a
+checkout, an editable install and a wheel installed anywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent / "_shipped"
+
+LAYOUT_DIR = _ROOT / "sharding"  # NAME.toml mesh layouts (`--mesh NAME`)
+MODEL_DIR = _ROOT / "clover-tiny"  # the default model of `clover generate`
