@@ -7,8 +7,8 @@ ones), so a span of held-out text is exactly a continuation. Token accuracy is t
 filled positions equal to the original token; forward passes (NFE) and tokens per pass measure the
 cost.
 
-    python benchmarks/infill.py --checkpoint checkpoints/clover-tiny \
-        --data ../shared/data/tinyshakespeare-train.txt --holdout 0.05
+    python benchmarks/infill.py --data ../shared/data/tinyshakespeare-train.txt --holdout 0.05
+    (--checkpoint DIR for another model; default: the shipped clover-tiny)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MODES = [
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default="checkpoints/clover-tiny")
+    p.add_argument("--checkpoint", default=None, help="native checkpoint (default: the shipped clover-tiny)")
     p.add_argument("--data", default="../shared/data/tinyshakespeare-train.txt")
     p.add_argument("--holdout", type=float, default=0.05, help="the eval split: last fraction of the file")
     p.add_argument("--examples", type=int, default=16)
@@ -49,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=None, help="comma-separated indices into the mode list (default: all)")
     args = p.parse_args(argv)
 
+    from clover_jax import shipped
     from clover_jax.checkpoint import load_model
     from clover_jax.sampler import SamplerConfig, generate
     from clover_jax.tokenizer import load_tokenizer
     from clover_jax.training import read_text, split_text
 
-    ckpt = os.path.abspath(args.checkpoint)  # orbax metadata reads want an absolute path
+    ckpt = os.path.abspath(args.checkpoint or shipped.MODEL_DIR)  # orbax metadata reads want an absolute path
     cfg, weights = load_model(ckpt)
     tok = load_tokenizer(ckpt)
     _, held_out = split_text(read_text(args.data), args.holdout)

@@ -1,6 +1,6 @@
 """Sampler figures for the tiny model on this machine: every cache mode x decoding mode.
 
-    python benchmarks/sampler.py                        # checkpoints/clover-tiny if present, else random clover-tiny
+    python benchmarks/sampler.py                        # the shipped clover-tiny (random clover-tiny if missing)
     python benchmarks/sampler.py --model clover-tiny --gen-length 128 --block-length 32 --batch 1
 
 Per mode it prints: forward passes (NFE), tokens committed per pass, tokens/s, compile time, and
@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint dir or preset (default: checkpoints/clover-tiny, "
+    p.add_argument("--model", default=None, help="checkpoint dir or preset (default: the shipped clover-tiny, "
                                                   "else the clover-tiny preset with random weights)")
     p.add_argument("--gen-length", type=int, default=128)
     p.add_argument("--block-length", type=int, default=32)

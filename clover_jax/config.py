@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +25,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A model's sizes, MoE routing, attention, special tokens and numerics; validated on construction
+    (ConfigError), frozen and hashable."""
+
     name: str
     family: Family
     vocab_size: int
@@ -74,28 +78,35 @@ class ModelConfig:
     # ---- derived sizes -------------------------------------------------------------------
     @property
     def n_moe_layers(self) -> int:
+        """Layers with a MoE MLP: `n_layers - n_dense_layers`."""
         return self.n_layers - self.n_dense_layers
 
     @property
     def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates: `head_dim * partial_rotary_factor`."""
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_per_kv(self) -> int:
+        """Query heads per KV head: `n_heads // n_kv_heads`."""
         return self.n_heads // self.n_kv_heads
 
     @property
     def is_block_causal(self) -> bool:
+        """Whether attention is block-causal (`attention == "block_causal"`)."""
         return self.attention == "block_causal"
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with `changes` applied (`dataclasses.replace`), validated again: ConfigError if invalid."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name (`dataclasses.asdict`): what config.json holds."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """The config of a `to_dict` dict, validated; ConfigError naming any unknown field."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -103,6 +114,7 @@ class ModelConfig:
         return cls(**d)
 
     def to_json(self) -> str:
+        """`to_dict` as indented JSON with sorted keys."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
@@ -227,6 +239,7 @@ _register(ModelConfig(
 
 
 def preset_names() -> list[str]:
+    """The preset names, sorted."""
     return sorted(_PRESETS)
 
 
@@ -240,8 +253,6 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
 
 def load_config(path_or_name: str) -> ModelConfig:
     """A preset name, or a path to a native config.json (a checkpoint directory also works)."""
-    import os
-
     if path_or_name in _PRESETS:
         return _PRESETS[path_or_name]
     path = path_or_name

@@ -22,17 +22,17 @@ def _free_port() -> int:
 def _single_process_reference():
     sys.path.insert(0, os.path.dirname(__file__))
     try:
-        import multihost_worker as W
+        import multihost_worker
     finally:
         sys.path.pop(0)
     from clover_jax import model
     from clover_jax.model import params
     from clover_jax.sampler import generate
 
-    cfg, arrays, tokens, sc = W.reference_inputs()
+    cfg, arrays, tokens, sc = multihost_worker.reference_inputs()
     specs = params.abstract(cfg)
     weights = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=params.is_spec), [jax.device_put(a) for a in arrays])
-    res = generate(weights, cfg, W.PROMPTS, sc, dispatch="tiled")
+    res = generate(weights, cfg, multihost_worker.PROMPTS, sc, dispatch="tiled")
     logits = model.apply(weights, cfg, jax.numpy.asarray(tokens), dispatch="dense")
     return np.asarray(res.raw), res.stats.nfe, np.asarray(logits)
 

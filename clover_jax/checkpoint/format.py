@@ -53,10 +53,13 @@ def expected_leaves(cfg: ModelConfig) -> dict[str, params.ParamSpec]:
 
 
 def flatten_weights(weights: params.Weights) -> dict[str, Any]:
+    """A weight tree as a flat {dotted name: array} dict (`params.named_leaves`; None leaves absent)."""
     return dict(params.named_leaves(weights))
 
 
 def unflatten_weights(cfg: ModelConfig, flat: Mapping[str, Any]) -> params.Weights:
+    """The inverse of `flatten_weights`: the `Weights` tree of `cfg` from {dotted name: array};
+    names the config does not imply are ignored, a missing one raises KeyError."""
     specs = params.abstract(cfg)
     names = [n for n, _ in params.named_leaves(specs)]
     treedef = jax.tree.structure(specs, is_leaf=params.is_spec)
@@ -159,6 +162,8 @@ def _check_dir(path: str) -> str:
 
 
 def load_checkpoint_config(path: str) -> ModelConfig:
+    """The ModelConfig of the native checkpoint at `path`; CheckpointError if `path` is not one or
+    its config.json is not a valid config."""
     _check_dir(path)
     try:
         with open(os.path.join(path, CONFIG_FILE)) as f:

@@ -46,14 +46,17 @@ class LazyLeaf:
 
     @property
     def size(self) -> int:
+        """Number of elements: the product of `shape`."""
         return int(np.prod(self.shape))
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions of `shape`."""
         return len(self.shape)
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
+        """The shape of one storage chunk: `chunk`, or the whole `shape` when it is None."""
         return tuple(self.shape if self.chunk is None else self.chunk)
 
     def blocks(self) -> Iterator[tuple[slice, ...]]:

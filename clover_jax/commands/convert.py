@@ -16,6 +16,7 @@ def _size(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `convert` subcommand (SRC, DST and its flags) to `sub`; it dispatches to `run`."""
     p = sub.add_parser(
         "convert", help="convert a checkpoint: HuggingFace safetensors -> native Orbax, or native -> HuggingFace",
         description="The direction follows SRC: a native checkpoint (config.json + weights/) is exported to "

@@ -37,6 +37,8 @@ _RANDOM_WEIGHTS: dict[tuple, Any] = {}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `generate` subcommand (prompt or --input job, sampler flags, --mesh) to `sub`; it dispatches
+    to `run`."""
     p = sub.add_parser("generate", help="generate text with the masked-diffusion sampler",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", help="the prompt (or use --input for a batch job)")

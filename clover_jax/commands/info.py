@@ -9,6 +9,7 @@ from clover_jax.model.params import count_params
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `info` subcommand (--config, --list) to `sub`; it dispatches to `run`."""
     p = sub.add_parser("info", help="print a config and its total / active parameter counts")
     p.add_argument("--config", default="clover-35b-a3b", help="preset name or path to config.json")
     p.add_argument("--list", action="store_true", help="list the presets")

@@ -12,6 +12,8 @@ from clover_jax.plan import format_plan, make_plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `plan` subcommand (--mesh required, --config and the pass-shape flags) to `sub`; it dispatches
+    to `run`."""
     p = sub.add_parser(
         "plan", help="per-chip memory and pass cost of a config on a mesh layout (TPU: AOT-compiled, no TPU needed)",
         description="TPU layouts are AOT-compiled for the slice's topology with libtpu (works on a CPU-only host); "

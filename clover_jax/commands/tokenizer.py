@@ -8,6 +8,8 @@ from clover_jax.tokenizer import load_tokenizer, read_training_text, train_sente
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `tokenizer` subcommand and its `train` action to `sub`; `train` dispatches to `run`,
+    no action prints the help and returns 2."""
     p = sub.add_parser("tokenizer", help="train a SentencePiece tokenizer")
     tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
     t = tsub.add_parser("train", help="train tokenizer.model from a text file")

@@ -34,6 +34,8 @@ from clover_jax.training import (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `train` subcommand (--data or --sft, --out and the training flags) to `sub`; it dispatches
+    to `run`."""
     p = sub.add_parser("train", help="train a model with the masked-diffusion objective (resumable)")
     p.add_argument("--config", default="clover-tiny", help="preset name or config.json path")
     src = p.add_mutually_exclusive_group(required=True)

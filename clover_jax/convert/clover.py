@@ -24,10 +24,13 @@ _MAPPED = set(common.COMMON_FIELDS) | {"name", "family", "dtype"}
 
 
 def detect(hf: dict[str, Any]) -> bool:
+    """Whether the HF config.json dict `hf` is this family's (`model_type` `clover_moe` or its architecture)."""
     return hf.get("model_type") == "clover_moe" or "CloverMoeForDiffusionLM" in (hf.get("architectures") or [])
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    """The native config of HF config dict `hf`: named by its `name` field else `name`, in `dtype`,
+    `mask_token_id` if given; ConversionError if the fields describe no valid model."""
     f = common.common_from_hf(hf, NAME)
     for field in dataclasses.fields(ModelConfig):
         if field.name not in _MAPPED and field.name in hf:
@@ -40,6 +43,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json dict of `cfg`: the Qwen-style fields plus every native field, so it round-trips."""
     out = common.common_to_hf(cfg)
     out.update({k: v for k, v in cfg.to_dict().items() if k not in _MAPPED})
     out.update(model_type="clover_moe", architectures=["CloverMoeForDiffusionLM"], name=cfg.name,
@@ -49,4 +53,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    """Every tensor of `cfg` in this family's keys, as `mapping.Group`s; `fused_experts`: routed experts in
+    transformers 5's fused form."""
     return mapping.qwen_style_groups(cfg, fused_experts, ATTN_GATED, shared_key="mlp.shared_expert")

@@ -29,12 +29,14 @@ TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float1
 
 
 def need(hf: dict[str, Any], field: str, family: str) -> Any:
+    """`hf[field]`; ConversionError naming `family` when the field is missing or None."""
     if field not in hf or hf[field] is None:
         raise ConversionError(f"config.json ({family}) lacks the field {field!r}")
     return hf[field]
 
 
 def refuse(cond: bool, msg: str) -> None:
+    """Raise ConversionError("not supported: `msg`") when `cond` holds."""
     if cond:
         raise ConversionError(f"not supported: {msg}")
 
@@ -59,6 +61,8 @@ def token_id(value: Any) -> int | None:
 
 
 def common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Native values of the `COMMON_FIELDS` present in `hf` (token ids as ints, `num_local_experts` read as
+    `num_experts`), with n_kv_heads and head_dim defaulted; ConversionError if a core size is missing."""
     out: dict[str, Any] = {}
     if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
         hf = {**hf, "num_experts": hf["num_local_experts"]}  # what transformers 5 writes for Qwen3-MoE
@@ -77,6 +81,7 @@ def common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 
 def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF fields every family shares for `cfg`: `COMMON_FIELDS`, RoPE, dtype, activation, mask token id."""
     d = cfg.to_dict()
     out = {hf: d[native] for native, hf in COMMON_FIELDS.items()}
     out["rope_theta"] = cfg.rope_theta
@@ -89,6 +94,7 @@ def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def make_config(name: str, family: str, fields: dict[str, Any]) -> ModelConfig:
+    """`ModelConfig(name=name, family=family, **fields)`; a ConfigError or TypeError becomes ConversionError."""
     try:
         return ModelConfig(name=name, family=family, **fields)  # type: ignore[arg-type]
     except (ConfigError, TypeError) as e:

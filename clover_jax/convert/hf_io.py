@@ -41,6 +41,8 @@ def np_dtype(name: str) -> np.dtype:
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """One indexed HF tensor: the file holding it, its shape and numpy dtype name."""
+
     file: str
     shape: tuple[int, ...]
     dtype: str  # numpy name
@@ -105,6 +107,7 @@ class SafetensorsSource:
         return out
 
     def close(self) -> None:
+        """Close every safe_open handle and file descriptor."""
         for h in self._handles.values():
             h.__exit__(None, None, None)
         self._handles.clear()
@@ -155,9 +158,11 @@ class PickleSource:
                 self.tensors[key] = TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
     def get(self, key: str) -> np.ndarray:
+        """One tensor as a fresh numpy array."""
         return self.get_rows(key, 0, self.tensors[key].shape[0] if self.tensors[key].shape else 1)
 
     def get_rows(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a tensor (all of it for a scalar) as a fresh numpy array."""
         import torch  # optional heavy dependency (see __init__)
 
         t = self._state[key]
@@ -167,10 +172,13 @@ class PickleSource:
         return t.numpy().copy()
 
     def close(self) -> None:
+        """Drop the loaded tensors."""
         self._state.clear()
 
 
 def open_source(directory: str, allow_pickle: bool = False) -> SafetensorsSource | PickleSource:
+    """The tensors of HF directory `directory`: safetensors (by `INDEX_FILE`, checked against the files, or
+    every *.safetensors), else .bin/.pt/.pth pickles with `allow_pickle`; ConversionError otherwise."""
     names = sorted(os.listdir(directory))
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
@@ -208,12 +216,15 @@ def open_source(directory: str, allow_pickle: bool = False) -> SafetensorsSource
 
 @dataclass(frozen=True)
 class PlannedTensor:
+    """One tensor a ShardedWriter is to write: key, shape and numpy dtype name."""
+
     key: str
     shape: tuple[int, ...]
     dtype: str
 
     @property
     def nbytes(self) -> int:
+        """Size in bytes."""
         return int(np.prod(self.shape)) * np_dtype(self.dtype).itemsize
 
 
@@ -257,6 +268,7 @@ class ShardedWriter:
         self._f.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, key: str, array: np.ndarray) -> None:
+        """The next planned tensor, whole (`write_rows` with one block); ConversionError if it is not."""
         self.write_rows(key, [array])
 
     def write_rows(self, key: str, blocks: Iterable[np.ndarray]) -> None:
@@ -276,6 +288,8 @@ class ShardedWriter:
         self._pos += 1
 
     def finish(self) -> None:
+        """Close the last file and, with several shards, write `INDEX_FILE`; ConversionError if a planned
+        tensor was not written."""
         if self._pos != len(self.plan):
             raise ConversionError(f"internal: wrote {self._pos} of {len(self.plan)} planned tensors")
         if self._f is not None:

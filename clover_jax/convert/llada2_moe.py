@@ -19,11 +19,14 @@ EOS_TOKEN_ID = 156_892
 
 
 def detect(hf: dict[str, Any]) -> bool:
+    """Whether the HF config.json dict `hf` is this family's (`model_type` `llada2_moe*` or its architecture)."""
     return (str(hf.get("model_type", "")).startswith("llada2_moe")
             or "LLaDA2MoeModelLM" in (hf.get("architectures") or []))
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    """The native config `name` of HF config dict `hf`, in `dtype`, with `mask_token_id` (default
+    `MASK_TOKEN_ID`); ConversionError for a missing field or an unsupported feature."""
     f = common.common_from_hf(hf, NAME)
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         common.need(hf, key, NAME)
@@ -48,6 +51,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json dict of `cfg`; ConversionError if `cfg` uses what this family cannot express."""
     common.refuse(cfg.attn_output_gate, "llada2_moe has no attention output gate")
     common.refuse(cfg.router != "sigmoid", "llada2_moe routes with a sigmoid")
     common.refuse(not cfg.qk_norm, "llada2_moe always uses QK-norm")
@@ -63,6 +67,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    """Every tensor of `cfg` in this family's keys, as `mapping.Group`s; `fused_experts`: routed experts in
+    transformers 5's fused form."""
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = mapping.ends(cfg, "model.word_embeddings.weight")
     for layer in range(cfg.n_layers):

@@ -19,11 +19,15 @@ MASK_TOKEN_ID = 156_895
 
 
 def detect(hf: dict[str, Any]) -> bool:
+    """Whether the HF config.json dict `hf` is this family's (`model_type` `llada`/`lladamoe`/`llada_moe` or
+    its architecture)."""
     return (hf.get("model_type") in ("llada", "lladamoe", "llada_moe")
             or "LLaDAMoEModelLM" in (hf.get("architectures") or []))
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    """The native config `name` of HF config dict `hf`, in `dtype`, with `mask_token_id` (default
+    `MASK_TOKEN_ID`); ConversionError for a missing field or an unsupported feature."""
     f = common.common_from_hf(hf, NAME)
     f["expert_mlp_dim"] = int(common.need(hf, "expert_intermediate_size", NAME))
     common.need(hf, "num_experts", NAME)
@@ -50,6 +54,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json dict of `cfg`; ConversionError if `cfg` uses what this family cannot express."""
     common.refuse(cfg.attn_output_gate, "llada_moe has no attention output gate")
     common.refuse(cfg.router != "softmax" or cfg.use_expert_bias or cfg.norm_topk_prob,
              "llada_moe routes with a softmax and no renormalisation")
@@ -65,4 +70,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    """Every tensor of `cfg` in this family's keys, as `mapping.Group`s; `fused_experts`: routed experts in
+    transformers 5's fused form."""
     return mapping.qwen_style_groups(cfg, fused_experts, ATTN, shared_key="shared_expert")

@@ -23,6 +23,9 @@ Slot = tuple[str, int | None]  # (native weight name, index on its leading `laye
 
 @dataclass(frozen=True)
 class Group:
+    """HF tensors `hf` (of `hf_shapes`) and native slots `native`, tied by `to_native` / `to_hf`: pure numpy
+    functions from the arrays of one side, in that order, to those of the other."""
+
     hf: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     native: tuple[Slot, ...]
@@ -49,6 +52,7 @@ def linear(hf_key: str, slot: Slot, native_shape: tuple[int, ...], n_in: int, ki
 
 
 def copy(hf_key: str, slot: Slot, shape: tuple[int, ...], kind: str = "float32") -> Group:
+    """One HF tensor of `shape` stored natively as is (norms, biases, the embedding)."""
     return Group(hf=(hf_key,), hf_shapes=(shape,), native=(slot,), kind=kind,
                  to_native=lambda a: [np.asarray(a[0])], to_hf=lambda a: [np.asarray(a[0])])
 
@@ -170,6 +174,7 @@ def layer_stack(cfg: ModelConfig, layer: int) -> tuple[str, int, bool]:
 
 def ends(cfg: ModelConfig, embed_key: str, norm_key: str = "model.norm.weight",
          head_key: str = "lm_head.weight") -> list[Group]:
+    """The embedding, the final norm and (unless tied) the lm_head, under the given HF keys."""
     v, d = cfg.vocab_size, cfg.d_model
     g = [copy(embed_key, ("embed", None), (v, d), kind="matmul"), copy(norm_key, ("final_norm", None), (d,))]
     if not cfg.tie_embeddings:

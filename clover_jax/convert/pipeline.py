@@ -143,6 +143,7 @@ class _Lazy(Sequence):
         return self.source.get(self.keys[i])
 
     def rows(self, i: int, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor `i`, read from disk alone."""
         return self.source.get_rows(self.keys[i], start, stop)
 
 

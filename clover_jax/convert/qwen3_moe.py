@@ -18,10 +18,13 @@ ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q
 
 
 def detect(hf: dict[str, Any]) -> bool:
+    """Whether the HF config.json dict `hf` is this family's (`model_type` `qwen3_moe` or its architecture)."""
     return hf.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (hf.get("architectures") or [])
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    """The native config `name` of HF config dict `hf`, in `dtype`, with `mask_token_id` (default: the
+    last id); ConversionError for a missing field or an unsupported feature."""
     f = common.common_from_hf(hf, NAME)
     for key in ("n_experts", "n_experts_per_tok", "expert_mlp_dim"):
         if key not in f:
@@ -41,6 +44,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json dict of `cfg`; ConversionError if `cfg` uses what this family cannot express."""
     common.refuse(cfg.n_shared_experts > 0, "qwen3_moe has no shared experts")
     common.refuse(cfg.attn_output_gate, "qwen3_moe has no attention output gate")
     common.refuse(cfg.router != "softmax" or cfg.use_expert_bias, "qwen3_moe routes with a plain softmax")
@@ -54,4 +58,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
+    """Every tensor of `cfg` in this family's keys, as `mapping.Group`s; `fused_experts`: routed experts in
+    transformers 5's fused form."""
     return mapping.qwen_style_groups(cfg, fused_experts, ATTN, shared_key=None)

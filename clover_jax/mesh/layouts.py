@@ -30,6 +30,9 @@ PLATFORMS = ("cpu", "tpu", "gpu")
 
 @dataclass(frozen=True)
 class Layout:
+    """A mesh layout as a `sharding/NAME.toml` file describes it: mesh shape and axes, logical-axis rules,
+    platform and planning hints."""
+
     name: str
     shape: tuple[int, ...]
     axes: tuple[str, ...]
@@ -41,6 +44,7 @@ class Layout:
 
     @property
     def n_devices(self) -> int:
+        """Devices the mesh needs: the product of `shape`."""
         return int(np.prod(self.shape))
 
     def mesh_rules(self, devices: list | None = None) -> MeshRules:
@@ -114,6 +118,7 @@ def make_mesh(layout: Layout, devices: list | None = None) -> Mesh:
 
 
 def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
+    """Add the optional `--mesh` flag (a layout name or .toml path; default one device) to `parser`."""
     parser.add_argument("--mesh", default=None,
                         help="mesh layout: a name from sharding/ (e.g. cpu-8) or a .toml path; default: one device")
 

@@ -50,6 +50,7 @@ class ShardingRules:
 
     @classmethod
     def logical_axes(cls) -> tuple[str, ...]:
+        """Every logical axis name, in field order."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
@@ -65,6 +66,7 @@ class ShardingRules:
         return () if logical is None else as_tuple(getattr(self, logical))
 
     def replace(self, **changes: MeshAxes) -> ShardingRules:
+        """A copy with the given logical axes mapped to new mesh axes."""
         return dataclasses.replace(self, **changes)
 
 
@@ -93,9 +95,11 @@ class MeshRules:
     rules: ShardingRules = DEFAULT_RULES
 
     def spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
+        """The PartitionSpec of logical `axes` on this mesh (`logical_to_spec`)."""
         return logical_to_spec(axes, self.rules, self.mesh)
 
     def sharding(self, axes: tuple[str | None, ...]) -> NamedSharding:
+        """The NamedSharding of logical `axes` on this mesh."""
         return NamedSharding(self.mesh, self.spec(axes))
 
     def size(self, mesh_axis: str) -> int:
@@ -104,6 +108,7 @@ class MeshRules:
 
     @property
     def n_devices(self) -> int:
+        """Devices in the mesh."""
         return int(self.mesh.size)
 
 

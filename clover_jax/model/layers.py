@@ -37,6 +37,7 @@ def rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
 
 
 def swiglu(x: Array, w: MLPWeights) -> Array:
+    """SwiGLU MLP: x [..., D] -> [..., D], `down(silu(x @ gate) * (x @ up))`."""
     return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
 
 
@@ -71,6 +72,8 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
 
 def output_projection(x: Array, attn: Array, w: AttentionWeights, cfg: ModelConfig) -> Array:
+    """Attention output attn [B,T,H,hd] -> [B,T,D] through `w.o`, first gated per head by
+    sigmoid(x @ w.gate) when `cfg.attn_output_gate` (x [B,T,D]: the normed layer input)."""
     if cfg.attn_output_gate:
         attn = attn * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, w.gate))
     return jnp.einsum("bthk,hkd->btd", attn, w.o)

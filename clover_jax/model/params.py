@@ -43,19 +43,23 @@ class ParamSpec:
 
     @property
     def size(self) -> int:
+        """Number of elements: the product of `shape`."""
         n = 1
         for d in self.shape:
             n *= d
         return n
 
     def stacked(self, n: int) -> ParamSpec:
+        """The same weight with a leading `layers` axis of size `n`."""
         return ParamSpec((n, *self.shape), self.dtype, ("layers", *self.axes), self.init, self.std)
 
     def struct(self, sharding: Any = None) -> jax.ShapeDtypeStruct:
+        """A `jax.ShapeDtypeStruct` of this shape and dtype, with `sharding` if given."""
         return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
 
 
 def is_spec(x: Any) -> bool:
+    """Whether `x` is a ParamSpec (the `is_leaf` of tree walks over a spec tree)."""
     return isinstance(x, ParamSpec)
 
 
@@ -70,6 +74,8 @@ class MLPWeights:
 
 @struct.dataclass
 class MoEWeights:
+    """A MoE MLP: router, routed experts stacked on `experts`, optional shared expert."""
+
     router: Any  # [embed, experts], float32
     expert_bias: Any  # [experts] float32 selection bias, or None
     gate: Any  # [experts, embed, expert_mlp]
@@ -80,6 +86,8 @@ class MoEWeights:
 
 @struct.dataclass
 class AttentionWeights:
+    """Grouped-query attention projections, optional output gate and QK-norm scales."""
+
     q: Any  # [embed, q_heads, head_dim]
     k: Any  # [embed, kv_heads, head_dim]
     v: Any  # [embed, kv_heads, head_dim]
@@ -91,6 +99,8 @@ class AttentionWeights:
 
 @struct.dataclass
 class LayerWeights:
+    """One decoder layer: attention and MLP, each after its RMSNorm."""
+
     attn_norm: Any  # [embed]
     attn: AttentionWeights
     mlp_norm: Any  # [embed]
@@ -99,6 +109,8 @@ class LayerWeights:
 
 @struct.dataclass
 class Weights:
+    """The whole model: embedding, dense and MoE layer stacks, final norm, LM head."""
+
     embed: Any  # [vocab, embed]
     dense_layers: Any  # LayerWeights stacked on `layers`, or None
     moe_layers: Any  # LayerWeights stacked on `layers`, or None
@@ -193,6 +205,7 @@ def init(cfg: ModelConfig, key: Array, shardings: Any = None) -> Weights:
 
 
 def map_specs(fn: Callable[[ParamSpec], Any], cfg_or_specs: Any) -> Any:
+    """`fn` on every ParamSpec leaf of `abstract(cfg)` (or of a spec tree given instead), in the same tree."""
     specs = abstract(cfg_or_specs) if isinstance(cfg_or_specs, ModelConfig) else cfg_or_specs
     return jax.tree.map(fn, specs, is_leaf=is_spec)
 
@@ -207,6 +220,8 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
 
 @dataclass(frozen=True)
 class ParamCount:
+    """Parameter counts of a config (`count_params`): all, active per token, routed experts, embed + lm_head."""
+
     total: int
     active: int  # per token: everything except the routed experts a token does not visit
     routed_experts: int

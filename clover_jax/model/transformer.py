@@ -34,10 +34,13 @@ class KVCache:
 
     @property
     def length(self) -> int:
+        """Cache columns S."""
         return (self.moe_k if self.moe_k is not None else self.dense_k).shape[2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
+    """A zero cache of S = `length` columns for `batch` sequences, in `dtype` (default the config's):
+    [layers, B, S, kv_heads, head_dim] per stack, None for a stack the config does not have."""
     dt = jnp.dtype(cfg.dtype) if dtype is None else dtype
 
     def zeros(n: int) -> Array | None:
@@ -48,6 +51,8 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> 
 
 
 class ForwardOut(NamedTuple):
+    """What `forward` returns."""
+
     logits: Array  # [B, W_out, V] float32
     cache: KVCache | None
     moe_stats: MoEStats | None  # stacked over MoE layers

@@ -29,6 +29,7 @@ from functools import cache
 from pathlib import Path
 
 import jax
+import jaxlib
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ def _cpu_model() -> str:
 
 def _build(compiler: str) -> Path:
     """The compiled library, built now unless this exact build is cached (written atomically)."""
-    import jaxlib
-
     source = b"".join(p.read_bytes() for p in _SOURCES)
     # -march=native: the build is only good for this CPU model (a home directory may be shared).
     key = " ".join((compiler, *_FLAGS, *_LIBS, jaxlib.__version__, platform.machine(), _cpu_model()))

@@ -48,6 +48,8 @@ from clover_jax.plan.arithmetic import (
 
 @dataclass
 class PassReport:
+    """One pass's analytic FLOPs (all chips, busiest chip) and bytes per chip, and its compile result if any."""
+
     shape: PassShape
     flops_total: float
     flops_per_chip: float
@@ -55,6 +57,8 @@ class PassReport:
     compiled: Compiled | None = None
 
     def roofline_s(self, chip: Chip, use_compiler: bool = False) -> tuple[float, float]:
+        """(compute s, memory s) of the pass on `chip`: analytic counts, or the compiler's with
+        `use_compiler` when it reported FLOPs."""
         if use_compiler and self.compiled and self.compiled.flops:
             return self.compiled.flops / chip.peak_flops, (self.compiled.bytes_accessed or 0) / chip.hbm_bw
         return self.flops_per_chip / chip.peak_flops, self.bytes_per_chip / chip.hbm_bw
@@ -62,6 +66,8 @@ class PassReport:
 
 @dataclass
 class Plan:
+    """A config planned on a layout (`make_plan`): weight and cache bytes per chip, pass reports, method."""
+
     cfg: ModelConfig
     layout: Layout
     chip: Chip
@@ -75,6 +81,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """Arithmetic plans: `estimate_per_chip` within `usable_hbm`; compiled plans: every pass compiled within
+        the chip's HBM."""
         if self.method == "arithmetic":
             return self.estimate_per_chip <= self.usable_hbm
         return all(p.compiled is not None and p.compiled.ok and p.compiled.hbm_bytes <= self.chip.hbm_bytes
@@ -82,6 +90,7 @@ class Plan:
 
     @property
     def usable_hbm(self) -> float:
+        """The chip's HBM bytes, times `GPU_USABLE_FRACTION` on GPU layouts."""
         return self.chip.hbm_bytes * (GPU_USABLE_FRACTION if self.layout.platform == "gpu" else 1.0)
 
     @property
@@ -163,6 +172,7 @@ def _ms(s: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
+    """The report of `plan` as text: chip, weights, cache, per-pass memory, FLOPs and roofline, verdict."""
     c, lay, chip = plan.cfg, plan.layout, plan.chip
     counts = params.count_params(c)
     mesh = " x ".join(f"{a}={n}" for a, n in zip(lay.axes, lay.shape, strict=True))

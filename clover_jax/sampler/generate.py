@@ -68,13 +68,16 @@ class SamplerConfig:
 
     @property
     def n_blocks(self) -> int:
+        """Semi-autoregressive blocks: gen_length / block_length."""
         return self.gen_length // self.block_length
 
     @property
     def total_steps(self) -> int:
+        """Refinement steps over all blocks (`steps`, or gen_length when unset)."""
         return self.gen_length if self.steps is None else self.steps
 
     def replace(self, **changes: Any) -> SamplerConfig:
+        """A copy with `changes` (a frozen dataclass: the original is never mutated)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -96,9 +99,11 @@ class SamplerStats:
 
     @property
     def tokens_per_s(self) -> float:
+        """Committed tokens per second of the compiled loop (0 when it took no measurable time)."""
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def line(self) -> str:
+        """One human-readable line of these figures (what `clover generate` prints)."""
         return (f"{self.nfe} forward passes, {self.tokens_per_pass:.2f} tokens/pass, {self.tokens} tokens in "
                 f"{self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); compile {self.compile_s:.1f} s")
 

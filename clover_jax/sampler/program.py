@@ -70,6 +70,7 @@ class ModelForward:
         return out.logits, out.cache
 
     def init_cache(self, rows: int, length: int) -> transformer.KVCache:
+        """A zeroed K/V cache of `rows` x `length` columns for every layer."""
         return transformer.init_cache(self.cfg, rows, length)
 
 
@@ -90,6 +91,7 @@ class ProgramSpec:
 
     @property
     def n_blocks(self) -> int:
+        """Generated blocks: gen_length / block_length."""
         return self.gen_length // self.block_length
 
 

@@ -66,6 +66,8 @@ def draw_tokens(logits: Array, key: Array, temperature: Array) -> Array:
 
 
 class Scores(NamedTuple):
+    """One block's scores, each [B, L]: what `select_commits` decides from."""
+
     rank_score: Array  # [B, L] higher = commit first (the chosen remasking strategy)
     confidence: Array  # [B, L] probability of the drawn token (what the threshold compares)
     entropy: Array  # [B, L] entropy of the filtered distribution, nats

@@ -43,13 +43,16 @@ class ByteTokenizer:
     vocab_size: int = 260
 
     def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`, each shifted by `n_special`."""
         return [b + self.n_special for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
+        """The text of the byte ids; special and out-of-range ids are skipped, bad UTF-8 replaced."""
         data = bytes(i - self.n_special for i in ids if self.n_special <= i < self.n_special + 256)
         return data.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, prompt: str) -> str | None:
+        """None: a byte-level vocabulary has no chat template."""
         return None
 
 
@@ -65,12 +68,15 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.get_piece_size()
 
     def encode(self, text: str) -> list[int]:
+        """SentencePiece ids of `text` (no BOS/EOS added)."""
         return list(self._sp.encode(text))
 
     def decode(self, ids: list[int]) -> str:
+        """The text of `ids`; ids outside the vocabulary are skipped."""
         return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
 
     def apply_chat_template(self, prompt: str) -> str | None:
+        """None: a SentencePiece model carries no chat template."""
         return None
 
 
@@ -93,12 +99,16 @@ class HFTokenizer:
         self.chat_template = _read_chat_template(self.directory)
 
     def encode(self, text: str) -> list[int]:
+        """tokenizer.json ids of `text`, without special tokens."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, as the `tokenizers` package decodes them."""
         return self._tok.decode([int(i) for i in ids])
 
     def apply_chat_template(self, prompt: str) -> str | None:
+        """`prompt` as one user turn of the checkpoint's jinja chat template (with the generation
+        prompt), or None when the checkpoint has no template."""
         if not self.chat_template:
             return None
         import jinja2  # optional dependency (the `torch` extra): only checkpoints with a chat template need it

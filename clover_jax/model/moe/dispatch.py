@@ -42,6 +42,7 @@ def _no_drops() -> Array:
 
 def dispatch_dense(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
                    layer: Array | None = None) -> tuple[Array, Array]:
+    """Every expert on every token, weighted by the routing weights: x [N, D] -> (y [N, D], dropped 0)."""
     combine = jnp.zeros((x.shape[0], cfg.n_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], r.experts].add(r.weights)
     h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, w.gate)) * jnp.einsum("nd,edf->enf", x, w.up)
@@ -52,6 +53,8 @@ def dispatch_dense(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: 
 
 def dispatch_ragged(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
                     layer: Array | None = None) -> tuple[Array, Array]:
+    """Copies sorted by expert through `jax.lax.ragged_dot` grouped matmuls: x [N, D] -> (y [N, D],
+    dropped 0)."""
     s = sort_by_expert(x, r, cfg.n_experts)
     g = jax.lax.ragged_dot(s.rows, w.gate, s.group_sizes)
     u = jax.lax.ragged_dot(s.rows, w.up, s.group_sizes)
@@ -81,6 +84,7 @@ LAYER_STACK = frozenset({"tiled"})
 
 
 def known_dispatches() -> list[str]:
+    """The strategy names, sorted."""
     return sorted(DISPATCH)
 
 

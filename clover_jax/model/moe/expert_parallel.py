@@ -75,6 +75,8 @@ def capacity_factor(cf: float) -> Iterator[float]:
 
 
 def current_capacity_factor() -> float:
+    """The `ep_a2a` capacity factor: the `capacity_factor` context, else
+    $CLOVER_EP_CAPACITY_FACTOR (ValueError unless positive), else `CAPACITY_FACTOR`."""
     cf = _CAPACITY.get()
     if cf is not None:
         return cf
@@ -129,10 +131,12 @@ class EPAxes:
     tensor: tuple[str, ...]
 
     def size(self, axes: tuple[str, ...]) -> int:
+        """Shards along `axes`: the product of their mesh sizes (1 for none)."""
         return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
 
     @property
     def n_ep(self) -> int:
+        """Expert shards: the size of the expert axes."""
         return self.size(self.expert)
 
     def index(self, axes: tuple[str, ...]) -> Array:
@@ -255,6 +259,8 @@ def _shard_map(fn: Callable, ax: EPAxes, in_specs: tuple, out_specs: object) -> 
 
 def dispatch_ep_gather(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
                        layer: Array | None = None) -> tuple[Array, Array]:
+    """`ep_gather`: each expert shard runs the copies routed to its experts, partial outputs summed;
+    x [N, D] -> (y [N, D], dropped 0). ShardingError if experts or widths do not split."""
     ax = ep_axes(cfg, mesh)
     n_tok, n_ep = ax.size(ax.token), ax.n_ep
     n = x.shape[0]
@@ -292,6 +298,8 @@ def a2a_capacity(local_copies: int, n_ep: int, cf: float) -> int:
 
 def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
                     layer: Array | None = None) -> tuple[Array, Array]:
+    """`ep_a2a`: copies sent to their experts' shards by `all_to_all` in buffers of fixed capacity;
+    x [N, D] -> (y [N, D], dropped [] int32 copies over capacity, all shards)."""
     ax = ep_axes(cfg, mesh)
     split = ax.token + ax.expert
     n_split, n_ep = ax.size(split), ax.n_ep
@@ -370,6 +378,8 @@ def _ragged_all_to_all_reference(operand: Array, output: Array, input_offsets: A
 
 def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: MeshRules | None = None,
                            layer: Array | None = None) -> tuple[Array, Array]:
+    """`ep_ragged_a2a`: dropless, copies sent by `lax.ragged_all_to_all`; x [N, D] -> (y [N, D],
+    dropped 0). NotImplementedError on CPU outside `emulated_ragged_all_to_all`."""
     ax = ep_axes(cfg, mesh)
     emulate = _EMULATE_RAGGED.get()
     if platform(ax.mesh) == "cpu" and not emulate:

@@ -15,6 +15,8 @@ Array = jax.Array
 
 
 class Routing(NamedTuple):
+    """Top-k routing of N tokens over E experts (`route`)."""
+
     experts: Array  # [N, k] int32 chosen experts
     weights: Array  # [N, k] float32 combine weights
     logits: Array  # [N, E] float32 router logits (z-loss)
@@ -58,6 +60,7 @@ def route(x: Array, w: MoEWeights, cfg: ModelConfig) -> Routing:
 
 
 def stats(r: Routing, n_experts: int, dropped: Array | None = None) -> MoEStats:
+    """One layer's MoEStats from its routing; `dropped` as float32 (0 when None)."""
     counts = jnp.zeros((n_experts,), jnp.float32).at[r.experts.reshape(-1)].add(1.0)
     return MoEStats(
         load=counts / r.experts.size,

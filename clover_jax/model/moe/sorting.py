@@ -13,6 +13,8 @@ Array = jax.Array
 
 
 class SortedCopies(NamedTuple):
+    """Token copies grouped by expert (`sort_by_expert`), and where each copy went."""
+
     rows: Array  # [N*k, D] token copies ordered by expert
     position: Array  # [N*k] row of each flattened (token, slot) copy in `rows`
     group_sizes: Array  # [E] int32 copies per expert
