@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expert-width", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dispatch", nargs="+", default=["dense", "ragged", "tiled-jax", "tiled"],
-                   help="JAX dispatches to time; NAME-jax: NAME with clover_jax.native switched off (pure JAX)")
+                   help="JAX dispatches to time; NAME-jax: NAME with clover_jax.kernels switched off (pure JAX)")
     p.add_argument("--runs", type=int, default=9, help="timed warm runs per figure (median)")
     p.add_argument("--no-torch", action="store_true", help="skip transformers")
     p.add_argument("--torch-threads", type=int, default=0,
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax import model, native
+    from clover_jax import kernels, model
     from clover_jax.model.moe import DISPATCH
     from clover_jax.model.params import init
 
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
           f"fp32, {args.seq} tokens/row; jax {jax.__version__} on {jax.default_backend()}, {cores} cores; "
           f"median of {args.runs} warm runs", flush=True)
     if jax.default_backend() == "cpu":
-        state = "on" if native.available() else f"off ({native.unavailable_reason() or 'CLOVER_NATIVE=0'})"
-        print(f"native CPU kernels (float32 `tiled` on CPU; `-jax` candidates run without them): {state}", flush=True)
+        state = "on" if kernels.available() else f"off ({kernels.unavailable_reason() or 'CLOVER_KERNELS=0'})"
+        print(f"CPU kernels (float32 `tiled` on CPU; `-jax` candidates run without them): {state}", flush=True)
 
     torch_model = None
     if not args.no_torch:
@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
 
             calls["transformers"] = run_torch
         for name in args.dispatch:
-            # Compiled here, so that a NAME-jax candidate is traced with the native kernels off.
+            # Compiled here, so that a NAME-jax candidate is traced with the CPU kernels off.
             dispatch = name.removesuffix("-jax")
-            with native.switched_off() if name.endswith("-jax") else contextlib.nullcontext():
+            with kernels.switched_off() if name.endswith("-jax") else contextlib.nullcontext():
                 fwd = fwds[name] = jax.jit(lambda w, t, d=dispatch: model.apply(w, cfg, t, dispatch=d)).lower(
                     weights, tokens).compile()
             calls[name] = lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready()

@@ -6,7 +6,7 @@
     res = clover_jax.generate(weights, cfg, [ids], clover_jax.SamplerConfig(gen_length=64))
 
 Everything else lives in the subpackages: `model`, `mesh`, `sampler`, `training`, `tokenizer`,
-`checkpoint`, `convert`, `plan`, `native`, `commands`.
+`checkpoint`, `convert`, `plan`, `kernels`, `commands`.
 """
 
 from clover_jax import shipped

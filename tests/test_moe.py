@@ -10,20 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clover_jax import native
+from clover_jax import kernels
 from clover_jax.config import get_config
 from clover_jax.model import moe
 from clover_jax.model.params import init
 
 QWEN = get_config("test-qwen3-moe")  # softmax router, 8 experts, top-2
 LLADA2 = get_config("test-llada2")  # sigmoid router + expert bias, 4 groups keep 2, x2.5, shared expert
-FAST = ("ragged", "tiled", "tiled-walk")  # tiled-walk: tiled traced with the native CPU kernel off
+FAST = ("ragged", "tiled", "tiled-walk")  # tiled-walk: tiled traced with the CPU kernel off
 
 
 def _dispatch(name: str) -> tuple[str, contextlib.AbstractContextManager]:
-    """(dispatch, context to trace it in): `X-walk` is X with clover_jax.native switched off."""
+    """(dispatch, context to trace it in): `X-walk` is X with clover_jax.kernels switched off."""
     if name.endswith("-walk"):
-        return name.removesuffix("-walk"), native.switched_off()
+        return name.removesuffix("-walk"), kernels.switched_off()
     return name, contextlib.nullcontext()
 
 
@@ -111,7 +111,7 @@ def test_grouped_swiglu_every_group_size_against_numpy() -> None:
     # Default heights (top 128: every group in one big tile or its binary tail) and a small top
     # height (32: groups of 33..70 rows take several big tiles before the tail).
     for hs in (None, (32, 16, 8)):
-        with native.switched_off():  # the tile walk itself (the native kernel ignores tile heights)
+        with kernels.switched_off():  # the tile walk itself (the CPU kernel ignores tile heights)
             y = jax.jit(lambda *a, hs=hs: moe.grouped_swiglu(*a, heights=hs))(rows, jnp.asarray(sizes), gate, up,
                                                                              down)
         for i, (s, n) in enumerate(zip(starts, sizes, strict=True)):

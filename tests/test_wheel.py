@@ -3,6 +3,7 @@ layouts and the shipped clover-tiny model, and `clover generate` runs from anoth
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,19 +14,37 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _source_copy(dst: Path) -> Path:
+    """The files git would ship (tracked, or untracked and not ignored), links kept as links: a build
+    there sees no stale build/ folder and none of a user's own checkpoints."""
+    listing = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                             capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listing):
+        src, out = REPO / name, dst / name
+        if not src.exists() and not src.is_symlink():
+            continue  # deleted in the work tree
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            out.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, out)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """The wheel, built with pip and unpacked with `pip install --target` (dependencies come from this
-    environment): a directory whose clover_jax is the wheel's copy, not the checkout."""
+    """The wheel, built with pip from a copy of the source and unpacked with `pip install --target`
+    (dependencies come from this environment): a directory whose clover_jax is the wheel's copy."""
     work = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(REPO)],
+    source = _source_copy(work / "source")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work / "dist"), str(source)],
                    check=True, cwd=work, capture_output=True)
     (wheel,) = (work / "dist").glob("clover_jax-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "clover_jax/_shipped/sharding/cpu-8.toml" in names
     assert "clover_jax/_shipped/clover-tiny/config.json" in names
     assert any(n.startswith("clover_jax/_shipped/clover-tiny/weights/") for n in names)
-    assert "clover_jax/native/grouped_swiglu.cc" in names
+    assert "clover_jax/kernels/grouped_swiglu.cc" in names
     assert not any(n.startswith(("tests/", "benchmarks/", "sharding/", "checkpoints/")) for n in names)
     target = work / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

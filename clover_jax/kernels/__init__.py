@@ -9,7 +9,7 @@ $CLOVER_JAX_CACHE (default ~/.cache/clover_jax).
 
 Nothing here is required: without a compiler (or if the build fails), `available()` is False, the
 reason is logged once (and kept in `unavailable_reason()`), and callers use their pure-JAX path;
-CLOVER_NATIVE=0 switches the kernels off.
+CLOVER_KERNELS=0 switches the kernels off (CLOVER_NATIVE=0, the old spelling, too).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _reason: list[str] = []
 
 
 def unavailable_reason() -> str | None:
-    """Why the native kernels failed to load (None if they loaded, or nobody asked yet)."""
+    """Why the CPU kernels failed to load (None if they loaded, or nobody asked yet)."""
     return _reason[0] if _reason else None
 
 
@@ -56,7 +56,7 @@ def _cache_dirs() -> list[Path]:
     user = os.environ.get("CLOVER_JAX_CACHE")
     first = Path(user) if user else Path.home() / ".cache" / "clover_jax"
     user_id = os.getuid() if hasattr(os, "getuid") else "user"
-    return [first / "native", Path(tempfile.gettempdir()) / f"clover_jax-{user_id}" / "native"]
+    return [first / "kernels", Path(tempfile.gettempdir()) / f"clover_jax-{user_id}" / "kernels"]
 
 
 def _cpu_model() -> str:
@@ -74,7 +74,7 @@ def _build(compiler: str) -> Path:
     # -march=native: the build is only good for this CPU model (a home directory may be shared).
     key = " ".join((compiler, *_FLAGS, *_LIBS, jaxlib.__version__, platform.machine(), _cpu_model()))
     key = hashlib.sha256(source + key.encode()).hexdigest()[:16]
-    name = f"clover_native-{key}.so"
+    name = f"clover_kernels-{key}.so"
     for folder in _cache_dirs():
         if (folder / name).exists():
             return folder / name
@@ -90,7 +90,7 @@ def _build(compiler: str) -> Path:
 
 
 def _compile(compiler: str, lib: Path) -> Path:
-    log.info("building clover_jax's native CPU kernels into %s (once per machine, a few seconds)", lib)
+    log.info("building clover_jax's CPU kernels into %s (once per machine, a few seconds)", lib)
     fd, tmp = tempfile.mkstemp(dir=lib.parent, prefix=lib.name, suffix=".tmp")
     os.close(fd)
     try:
@@ -106,9 +106,13 @@ def _compile(compiler: str, lib: Path) -> Path:
 
 
 def available() -> bool:
-    """Whether the kernels are loaded (built on the first call) and not switched off (CLOVER_NATIVE=0 or
+    """Whether the kernels are loaded (built on the first call) and not switched off (CLOVER_KERNELS=0 or
     `switched_off()`). Read when a function is traced: switch before a jitted function's first call."""
-    return not _OFF and os.environ.get("CLOVER_NATIVE", "1") != "0" and _load()
+    return not _OFF and not _off_by_env() and _load()
+
+
+def _off_by_env() -> bool:
+    return "0" in (os.environ.get("CLOVER_KERNELS"), os.environ.get("CLOVER_NATIVE"))  # NATIVE: the old name
 
 
 _OFF: list[bool] = []
@@ -140,7 +144,7 @@ def _load() -> bool:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as err:  # any failure: the pure-JAX path is always there
         _reason.append(f"{type(err).__name__}: {err}")
-        log.warning("clover_jax native CPU kernels unavailable, using the pure-JAX path: %s", _reason[0])
+        log.warning("clover_jax CPU kernels unavailable, using the pure-JAX path: %s", _reason[0])
         return False
     _LOADED.append(lib)  # keep the library mapped for the process's life
     return True

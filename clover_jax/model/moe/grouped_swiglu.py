@@ -3,7 +3,7 @@
 The walk takes each expert's group in tiles (heights 128, 64, ..., 8: full tiles, then the binary
 expansion of the rest, so at most 7 padded rows per expert), multiplying each tile by that
 expert's weights sliced straight out of the `[layer, expert]` stack; experts with no rows are
-skipped. In float32 on CPU the forward pass is the native kernel of `clover_jax.native` instead
+skipped. In float32 on CPU the forward pass is the CPU kernel of `clover_jax.kernels` instead
 (same function, each group through a register-blocked GEMM on XLA's threads), where it builds.
 Differentiable: a custom VJP runs the same tile walk backwards.
 """
@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from clover_jax import native
+from clover_jax import kernels
 
 Array = jax.Array
 
@@ -95,14 +95,14 @@ def _walk_forward(rows: Array, gate: Array, up: Array, down: Array, layer: Array
 
 def _grouped_swiglu_forward(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array,
                             starts: Array, heights: tuple[int, ...]) -> Array:
-    """The native kernel where it applies (float32 on CPU, see clover_jax.native), else the tile walk."""
+    """The CPU kernel where it applies (float32 on CPU, see clover_jax.kernels), else the tile walk."""
     walk = partial(_walk_forward, heights=heights)
     f32 = all(a.dtype == jnp.float32 for a in (rows, gate, up, down))
-    if not (f32 and jax.default_backend() == "cpu" and native.available()):
+    if not (f32 and jax.default_backend() == "cpu" and kernels.available()):
         return walk(rows, gate, up, down, layer, sizes, starts)
-    call_native = lambda rows, gate, up, down, layer, sizes, starts: native.grouped_swiglu(
+    call_kernel = lambda rows, gate, up, down, layer, sizes, starts: kernels.grouped_swiglu(
         rows, gate, up, down, layer, sizes)
-    return jax.lax.platform_dependent(rows, gate, up, down, layer, sizes, starts, cpu=call_native, default=walk)
+    return jax.lax.platform_dependent(rows, gate, up, down, layer, sizes, starts, cpu=call_kernel, default=walk)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7,))
