@@ -1,6 +1,6 @@
 """Milliseconds per forward pass for each MoE dispatch, next to transformers' Qwen3-MoE on the same weights.
 
-    python benchmarks/forward.py                  # DESIGN.md shape: 8 layers, d 512, 32 experts top-4, B = 1 and 8
+    python benchmarks/forward.py                  # medium shape: 8 layers, d 512, 32 experts top-4, B = 1 and 8
     python benchmarks/forward.py --batch 1 --dispatch tiled --no-torch
 
 Every figure is the median wall time of `--runs` warm calls of one jitted forward pass (compile excluded),

@@ -96,7 +96,7 @@ def test_kernel_under_vmap_and_sharding(devices) -> None:
     np.testing.assert_allclose(y[0], want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(y[1], _numpy_swiglu(batch[1], sizes, gate, up, down, 1), rtol=1e-4, atol=1e-5)
     # Rows split over 8 devices, experts over 2: the call still sees whole operands and agrees.
-    mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "expert"))  # as clover_jax.layouts builds them
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "expert"))  # as clover_jax.mesh.layouts builds them
     put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec)))
     sharded = [put(w, None, "expert") for w in (gate, up, down)]
     y = jax.jit(moe.grouped_swiglu)(put(rows, ("data", "expert")), sizes, *sharded, 1)

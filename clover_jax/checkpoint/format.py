@@ -5,7 +5,7 @@
     weights/           an Orbax checkpoint of a flat {dotted weight name: array} dict
 
 Weight names are `params.named_leaves` paths (e.g. `moe_layers.mlp.gate`), so the on-disk tree does
-not depend on the dataclass layout and a mismatch can name the weight. Restore goes straight into
+not depend on how the dataclasses nest and a mismatch can name the weight. Restore goes straight into
 the caller's target shardings: every device reads only its own shard. Saves are atomic (`atomic`).
 """
 

@@ -54,7 +54,7 @@ def model_card(cfg: ModelConfig, tc: TrainConfig, data: str, holdout: float, res
         f"{holdout:.0%} of the characters of the data file, tokenized on its own; the eval takes "
         f"the first {proto.n_seqs} consecutive windows of {tc.seq_len} tokens, masks every block at each noise "
         "level t of the grid with a fixed seed, and reports the 1/t-weighted masked cross-entropy per token "
-        "averaged over the grid (`clover_jax.train.evaluate`):",
+        "averaged over the grid (`clover_jax.training.evaluate`):",
         "",
         "```json",
         json.dumps({**proto.to_dict(), "seq_len": tc.seq_len, "holdout": holdout}, indent=2),

@@ -1,4 +1,4 @@
-"""Masked-diffusion training objective, the block-diffusion input layout and MoE auxiliary losses.
+"""Masked-diffusion training objective, the block-diffusion input arrangement and MoE auxiliary losses.
 
 Objective (LLaDA / MDLM): draw a noise level t ~ U(eps, 1), replace each scored token by [MASK] with
 probability t, and score the model's prediction of the original token at masked positions with

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
+from clover_jax.errors import ConfigError
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model.layers import swiglu
 from clover_jax.model.moe import expert_parallel
@@ -89,9 +90,9 @@ def known_dispatches() -> list[str]:
 
 
 def get_dispatch(name: str) -> DispatchFn:
-    """The strategy called `name`; ValueError listing the known ones otherwise."""
+    """The strategy called `name`; ConfigError (a ValueError) listing the known ones otherwise."""
     if name not in DISPATCH:
-        raise ValueError(f"unknown MoE dispatch {name!r}; known: {', '.join(known_dispatches())}")
+        raise ConfigError(f"unknown MoE dispatch {name!r}; known: {', '.join(known_dispatches())}")
     return DISPATCH[name]
 
 

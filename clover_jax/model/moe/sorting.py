@@ -1,4 +1,4 @@
-"""Token copies grouped by expert (and back): the layout that every sorted dispatch runs on."""
+"""Token copies grouped by expert (and back): the arrangement every sorted dispatch runs on."""
 
 from __future__ import annotations
 
