@@ -14,13 +14,14 @@ from typing import Any, Literal
 
 from clover_jax.errors import ConfigError
 
-Family = Literal["clover", "llada2_moe", "llada_moe", "qwen3_moe"]
+Family = Literal["clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe"]
 AttentionMode = Literal["bidirectional", "block_causal"]
 RouterKind = Literal["softmax", "sigmoid"]
 
-FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe")
+FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
-
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"  # the two kinds of `layer_types`
+MAX_LAYER_GROUP = 8  # the layers of one group are unrolled inside the scan over groups
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,16 @@ class ModelConfig:
     max_seq_len: int = 4096
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w), w zero-initialised (Qwen3.5) instead of by w
+    # Hybrid backbone (Qwen3.5 / Clover): each layer's sequence mixer, "linear_attention" (Gated DeltaNet)
+    # or "full_attention"; None = full attention everywhere. The kinds must repeat in groups (e.g. 3 + 1).
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w_gate) (Qwen3.5)
     # Special tokens.
     mask_token_id: int = -1  # -1: the last id of the vocabulary
     eos_token_id: int = 1
@@ -73,6 +84,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.mask_token_id == -1:
             object.__setattr__(self, "mask_token_id", self.vocab_size - 1)
+        if isinstance(self.layer_types, list):  # from JSON: keep the config hashable
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         validate(self)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -90,6 +103,45 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         """Query heads per KV head: `n_heads // n_kv_heads`."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are Gated DeltaNet (`linear_attention`) layers."""
+        return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def n_linear_layers(self) -> int:
+        """Gated DeltaNet layers (0 unless hybrid)."""
+        return 0 if self.layer_types is None else self.layer_types.count(LINEAR_ATTENTION)
+
+    @property
+    def n_attention_layers(self) -> int:
+        """Full-attention layers: every layer unless hybrid."""
+        return self.n_layers - self.n_linear_layers
+
+    @property
+    def layer_group(self) -> tuple[str, ...]:
+        """The shortest run of layer kinds that `layer_types` repeats (the body of the layer scan)."""
+        kinds = self.layer_types or (FULL_ATTENTION,) * self.n_layers
+        for p in range(1, len(kinds) + 1):
+            if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p):
+                return kinds[:p]
+        return kinds
+
+    @property
+    def linear_key_dim(self) -> int:
+        """Channels of the Gated DeltaNet queries (and of its keys): key heads x key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        """Channels of the Gated DeltaNet values: value heads x value head dim."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet conv: queries, keys and values side by side."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
 
     @property
     def is_block_causal(self) -> bool:
@@ -164,6 +216,25 @@ def validate(cfg: ModelConfig) -> None:
         need(0 <= v < cfg.vocab_size, f"{tok} ({v}) must be a token id in [0, vocab_size={cfg.vocab_size})")
     need(cfg.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     need(cfg.init_std > 0, "init_std must be positive")
+    need(not cfg.shared_expert_gate or cfg.n_shared_experts > 0, "shared_expert_gate needs a shared expert")
+    if cfg.layer_types is not None:
+        kinds = (LINEAR_ATTENTION, FULL_ATTENTION)
+        need(len(cfg.layer_types) == cfg.n_layers,
+             f"layer_types has {len(cfg.layer_types)} entries for n_layers={cfg.n_layers}")
+        bad = sorted(set(cfg.layer_types) - set(kinds))
+        need(not bad, f"layer_types may hold only {kinds}, got {bad}")
+    if cfg.is_hybrid:
+        for f in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim"):
+            need(getattr(cfg, f) > 0, f"Gated DeltaNet layers need {f} > 0, got {getattr(cfg, f)}")
+        need(cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0,
+             f"linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of linear_num_key_heads "
+             f"({cfg.linear_num_key_heads})")
+        need(cfg.n_dense_layers == 0, "hybrid layer stacks have MoE MLPs only (n_dense_layers must be 0)")
+        need(not cfg.use_expert_bias, "expert-bias balancing is not implemented for hybrid layer stacks")
+        need(len(cfg.layer_group) <= MAX_LAYER_GROUP,
+             f"layer_types must repeat a group of at most {MAX_LAYER_GROUP} layers (the body of the layer scan); "
+             f"got {list(cfg.layer_types)}")
 
 
 # ---- presets ---------------------------------------------------------------------------------
@@ -184,6 +255,20 @@ _register(ModelConfig(
     attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True,
     rope_theta=1e7, partial_rotary_factor=0.25, max_seq_len=32_768, eos_token_id=248_044,
     pad_token_id=248_044, mask_token_id=248_319,
+))
+
+# The Qwen3.5 / 3.6-35B-A3B text backbone Clover is built on (transformers' qwen3_5_moe), run causally:
+# 10 groups of 3 Gated DeltaNet layers + 1 gated attention layer, each followed by a MoE with a gated shared
+# expert. rope_theta and the token ids are this preset's guesses: a converted checkpoint carries its own.
+_register(ModelConfig(
+    name="qwen3.5-35b-a3b", family="qwen3_5_moe", vocab_size=248_320, d_model=2048, n_layers=40,
+    n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256, n_experts_per_tok=8, expert_mlp_dim=512,
+    n_shared_experts=1, shared_mlp_dim=512, shared_expert_gate=True, router="softmax", norm_topk_prob=True,
+    attention="block_causal", block_size=1, qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
+    rope_theta=1e7, partial_rotary_factor=0.25, max_seq_len=131_072,
+    layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 10, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    eos_token_id=248_044, pad_token_id=248_044, mask_token_id=248_319,
 ))
 
 # The model this project trains and ships (checkpoints/clover-tiny): same attention mode and MoE kind.
@@ -231,6 +316,13 @@ _register(ModelConfig(
 _register(ModelConfig(
     name="test-llada-moe", family="llada_moe", n_layers=2, n_kv_heads=4, n_experts=8, n_experts_per_tok=2,
     expert_mlp_dim=48, router="softmax", norm_topk_prob=False, attention="bidirectional", **_TEST_COMMON,
+))
+_register(ModelConfig(
+    name="test-qwen3-5-moe", family="qwen3_5_moe", n_layers=4, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
+    expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, shared_expert_gate=True, attention="block_causal",
+    block_size=1, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
+    layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, **_TEST_COMMON,
 ))
 _register(ModelConfig(
     name="test-qwen3-moe", family="qwen3_moe", n_layers=2, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,

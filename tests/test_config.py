@@ -40,6 +40,52 @@ def test_bad_config_is_named(changes: dict, message: str) -> None:
     assert "test-llada2" in str(info.value)  # the message names the config too
 
 
+HYBRID = get_config("test-qwen3-5-moe")
+GROUP = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(layer_types=GROUP[:3]), r"layer_types has 3 entries for n_layers=4"),
+    (dict(layer_types=("linear_attention", "mamba", "full_attention", "full_attention")), r"\['mamba'\]"),
+    (dict(linear_num_key_heads=0), r"Gated DeltaNet layers need linear_num_key_heads > 0"),
+    (dict(linear_value_head_dim=0), r"need linear_value_head_dim > 0"),
+    (dict(linear_num_value_heads=3), r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads \(2\)"),
+    (dict(n_dense_layers=1, dense_mlp_dim=32), r"MoE MLPs only \(n_dense_layers must be 0\)"),
+    (dict(use_expert_bias=True), r"expert-bias balancing is not implemented for hybrid"),
+    (dict(shared_expert_gate=True, n_shared_experts=0, shared_mlp_dim=0), r"shared_expert_gate needs a shared expert"),
+    (dict(n_layers=9, layer_types=("linear_attention",) * 8 + ("full_attention",)),
+     r"repeat a group of at most 8 layers"),
+])
+def test_bad_hybrid_config_is_named(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        HYBRID.replace(**changes)
+
+
+def test_hybrid_config_groups_and_json_round_trip(tmp_path) -> None:
+    assert HYBRID.layer_group == GROUP and (HYBRID.n_linear_layers, HYBRID.n_attention_layers) == (3, 1)
+    eight = HYBRID.replace(n_layers=8, layer_types=GROUP * 2)
+    assert eight.layer_group == GROUP and eight.linear_conv_dim == 2 * 2 * 16 + 4 * 8
+    path = tmp_path / "config.json"
+    path.write_text(eight.to_json())
+    again = load_config(str(path))  # layer_types comes back from JSON as a list: still hashable, still equal
+    assert again == eight and hash(again) == hash(eight)
+    names = {n for n, _ in named_leaves(abstract(eight))}
+    assert {"linear_layers.attn.qkv", "linear_layers.attn.conv", "moe_layers.attn.gate",
+            "linear_layers.mlp.shared_gate"} <= names
+    assert dict(named_leaves(abstract(eight)))["linear_layers.attn.qkv"].shape == (6, 64, 96)
+    assert dict(named_leaves(abstract(eight)))["moe_layers.attn.q"].shape == (2, 64, 4, 16)
+
+
+def test_qwen3_5_preset_counts_the_real_backbone(capsys) -> None:
+    """Qwen3.5-35B-A3B: ~34.7 B parameters (Clover's BF16 GGUF is 69.38 GB), ~3.5 B active."""
+    assert cli.main(["info", "--config", "qwen3.5-35b-a3b"]) == 0
+    out = capsys.readouterr().out
+    total = _billions(next(line for line in out.splitlines() if line.startswith("total params")))
+    active = _billions(next(line for line in out.splitlines() if line.startswith("active params")))
+    assert 34.5 <= total <= 34.9 and 3.2 <= active <= 3.7, out
+    assert "30 Gated DeltaNet" in out and "10 groups of 3 Gated DeltaNet + 1 full attention" in out
+
+
 def test_unknown_preset_lists_known_ones(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"unknown preset 'clover-1t'.*clover-35b-a3b"):
         get_config("clover-1t")

@@ -250,3 +250,11 @@ def test_bad_input_fails_before_compiling(change, prompts, msg):
     with pytest.raises(SamplerError, match=msg):
         generate({"cond": None, "uncond": None}, CFG, prompts, sc(**change), forward_fn=Scripted())
     assert compile_count() == before
+
+
+def test_hybrid_models_are_refused_before_compiling():
+    cfg = get_config("test-qwen3-5-moe")
+    before = compile_count()
+    with pytest.raises(SamplerError, match="Gated DeltaNet"):
+        generate(None, cfg, [[5, 6, 7]], SamplerConfig(gen_length=8, block_length=8))
+    assert compile_count() == before

@@ -171,3 +171,11 @@ def test_batches_are_a_function_of_the_index() -> None:
     ds = TokenStream(synthetic_ids(1000), 16, 7)
     a, b = ds.batch(5, 3), ds.batch(5, 3)
     assert isinstance(a, Batch) and (a.tokens == b.tokens).all() and not (ds.batch(6, 3).tokens == a.tokens).all()
+
+
+def test_hybrid_models_are_refused_before_compiling() -> None:
+    from clover_jax.errors import ConfigError
+
+    tc = TrainConfig(steps=1, batch_size=2, seq_len=16, warmup_steps=0)
+    with pytest.raises(ConfigError, match="Gated DeltaNet"):
+        train(get_config("test-qwen3-5-moe"), tc, TokenStream(synthetic_ids(200), 16, 0), progress=False)

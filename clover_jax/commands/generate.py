@@ -29,7 +29,15 @@ from clover_jax.errors import CloverError, SamplerError, UsageError
 from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params
-from clover_jax.sampler import SamplerConfig, SamplerStats, batch_bucket, check_prompts, check_settings, generate
+from clover_jax.sampler import (
+    SamplerConfig,
+    SamplerStats,
+    batch_bucket,
+    check_model,
+    check_prompts,
+    check_settings,
+    generate,
+)
 from clover_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 PLACEHOLDER = "░"
@@ -98,6 +106,7 @@ def _load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenize
     else:
         raise UsageError(f"--model {model!r} is neither a checkpoint directory nor a preset "
                          f"({', '.join(preset_names())})")
+    check_model(cfg)  # before any weight is read or made
     mesh = mesh_from_arg(mesh_name)
     shardings = None if mesh is None else params.weight_shardings(cfg, mesh.mesh, mesh.rules)
     if is_dir:

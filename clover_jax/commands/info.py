@@ -32,6 +32,12 @@ def run(args: argparse.Namespace) -> int:
     c = count_params(cfg)
     print(f"config            {cfg.name} ({cfg.family})")
     print(f"layers            {cfg.n_layers} ({cfg.n_dense_layers} dense, {cfg.n_moe_layers} MoE)")
+    if cfg.is_hybrid:
+        group = " + ".join(f"{cfg.layer_group.count(k)} {label}" for k, label in
+                           (("linear_attention", "Gated DeltaNet"), ("full_attention", "full attention")))
+        print(f"mixers            {cfg.n_linear_layers} Gated DeltaNet ({cfg.linear_num_key_heads} key / "
+              f"{cfg.linear_num_value_heads} value heads of {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}), "
+              f"{cfg.n_attention_layers} full attention; {cfg.n_layers // len(cfg.layer_group)} groups of {group}")
     print(f"d_model / vocab   {cfg.d_model} / {cfg.vocab_size}")
     print(f"attention         {cfg.n_heads} q heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim}, "
           f"{cfg.attention}" + (f" (blocks of {cfg.block_size})" if cfg.is_block_causal else ""))

@@ -45,6 +45,8 @@ class ShardingRules:
     experts: MeshAxes = "expert"
     expert_mlp: MeshAxes = "tensor"
     experts_replicated: MeshAxes = None
+    linear_heads: MeshAxes = None  # Gated DeltaNet value heads
+    linear_conv: MeshAxes = None  # Gated DeltaNet conv channels (queries | keys | values)
     layers: MeshAxes = None
     norm: MeshAxes = None
 

@@ -13,11 +13,30 @@ Array = jax.Array
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm computed in float32, cast back, then scaled (transformers' order of operations)."""
+def rms_norm(x: Array, weight: Array, eps: float, unit_offset: bool = False) -> Array:
+    """RMSNorm over the last axis, in float32.
+
+    Plain: normalised, cast back to x's dtype, then scaled by `weight` (transformers' Llama/Qwen3 order).
+    unit_offset: scaled by (1 + weight) in float32, then cast (Qwen3.5's zero-initialised norm).
+    """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return (weight * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def norm(x: Array, weight: Array, cfg: ModelConfig) -> Array:
+    """The config's RMSNorm (eps, plain or unit-offset) of x with `weight`."""
+    return rms_norm(x, weight, cfg.norm_eps, cfg.norm_unit_offset)
+
+
+def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float) -> Array:
+    """Gated RMSNorm of the Gated DeltaNet output: weight * norm(x) * silu(gate), norm before gate."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = weight * xf.astype(x.dtype).astype(jnp.float32)
+    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 def rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
@@ -47,8 +66,8 @@ def project_qkv(x: Array, w: AttentionWeights, positions: Array, cfg: ModelConfi
     k = jnp.einsum("btd,dhk->bthk", x, w.k)
     v = jnp.einsum("btd,dhk->bthk", x, w.v)
     if cfg.qk_norm:
-        q = rms_norm(q, w.q_norm, cfg.norm_eps)
-        k = rms_norm(k, w.k_norm, cfg.norm_eps)
+        q = norm(q, w.q_norm, cfg)
+        k = norm(k, w.k_norm, cfg)
     q = rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
     k = rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
     return q, k, v

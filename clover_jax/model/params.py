@@ -82,6 +82,7 @@ class MoEWeights:
     up: Any  # [experts, embed, expert_mlp]
     down: Any  # [experts, expert_mlp, embed]
     shared: Any  # MLPWeights or None
+    shared_gate: Any = None  # [embed, 1]: the shared expert scaled by sigmoid(x @ shared_gate), or None
 
 
 @struct.dataclass
@@ -98,11 +99,26 @@ class AttentionWeights:
 
 
 @struct.dataclass
+class GatedDeltaNetWeights:
+    """A Gated DeltaNet (linear attention) mixer; conv channels are [queries | keys | values]."""
+
+    qkv: Any  # [embed, linear_conv] projection to the conv's channels
+    conv: Any  # [conv_kernel, linear_conv] depthwise causal conv
+    z: Any  # [embed, linear_heads, head_dim] output-gate projection
+    b: Any  # [embed, linear_heads] -> beta = sigmoid(b)
+    a: Any  # [embed, linear_heads] -> g = -exp(a_log) * softplus(a + dt_bias)
+    a_log: Any  # [linear_heads] float32
+    dt_bias: Any  # [linear_heads] float32
+    norm: Any  # [head_dim] float32 scale of the gated RMSNorm
+    out: Any  # [linear_heads, head_dim, embed]
+
+
+@struct.dataclass
 class LayerWeights:
-    """One decoder layer: attention and MLP, each after its RMSNorm."""
+    """One decoder layer: attention (or a Gated DeltaNet) and MLP, each after its RMSNorm."""
 
     attn_norm: Any  # [embed]
-    attn: AttentionWeights
+    attn: Any  # AttentionWeights, or GatedDeltaNetWeights in `linear_layers`
     mlp_norm: Any  # [embed]
     mlp: Any  # MLPWeights (dense layers) or MoEWeights
 
@@ -113,9 +129,10 @@ class Weights:
 
     embed: Any  # [vocab, embed]
     dense_layers: Any  # LayerWeights stacked on `layers`, or None
-    moe_layers: Any  # LayerWeights stacked on `layers`, or None
+    moe_layers: Any  # LayerWeights stacked on `layers`, or None (hybrid: the full-attention layers)
     final_norm: Any  # [embed]
     lm_head: Any  # [embed, vocab], or None when tied to embed
+    linear_layers: Any = None  # hybrid: the Gated DeltaNet layers, stacked on `layers`, or None
 
 
 def _mlp(d: int, f: int, dtype: Any, std: float, mlp_axis: str = "mlp") -> MLPWeights:
@@ -126,19 +143,46 @@ def _mlp(d: int, f: int, dtype: Any, std: float, mlp_axis: str = "mlp") -> MLPWe
     )
 
 
-def _layer(cfg: ModelConfig, moe: bool) -> LayerWeights:
+def _norm(n: int, cfg: ModelConfig, axis: str = "norm") -> ParamSpec:
+    """An RMSNorm scale: ones, or zeros for the (1 + w) form."""
+    return ParamSpec((n,), jnp.float32, (axis,), init="zeros" if cfg.norm_unit_offset else "ones")
+
+
+def _attention(cfg: ModelConfig) -> AttentionWeights:
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
-    norm = lambda n: ParamSpec((n,), jnp.float32, ("norm",), init="ones")
-    attn = AttentionWeights(
+    return AttentionWeights(
         q=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std),
         k=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),
         v=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),
         o=ParamSpec((h, hd, d), dt, ("q_heads", "head_dim", "embed"), std=std),
         gate=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std) if cfg.attn_output_gate else None,
-        q_norm=ParamSpec((hd,), jnp.float32, ("head_dim",), init="ones") if cfg.qk_norm else None,
-        k_norm=ParamSpec((hd,), jnp.float32, ("head_dim",), init="ones") if cfg.qk_norm else None,
+        q_norm=_norm(hd, cfg, "head_dim") if cfg.qk_norm else None,
+        k_norm=_norm(hd, cfg, "head_dim") if cfg.qk_norm else None,
     )
+
+
+def _gated_deltanet(cfg: ModelConfig) -> GatedDeltaNetWeights:
+    d, hv, dv, c = cfg.d_model, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+    dt, std = jnp.dtype(cfg.dtype), cfg.init_std
+    f32 = jnp.float32
+    return GatedDeltaNetWeights(
+        qkv=ParamSpec((d, c), dt, ("embed", "linear_conv"), std=std),
+        conv=ParamSpec((cfg.linear_conv_kernel_dim, c), dt, (None, "linear_conv"), std=0.5),
+        z=ParamSpec((d, hv, dv), dt, ("embed", "linear_heads", "head_dim"), std=std),
+        b=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std),
+        a=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std),
+        a_log=ParamSpec((hv,), f32, ("linear_heads",), init="zeros"),  # A = 1: a moderate decay
+        dt_bias=ParamSpec((hv,), f32, ("linear_heads",), init="ones"),
+        norm=ParamSpec((dv,), f32, ("head_dim",), init="ones"),
+        out=ParamSpec((hv, dv, d), dt, ("linear_heads", "head_dim", "embed"), std=std),
+    )
+
+
+def _layer(cfg: ModelConfig, moe: bool, linear: bool = False) -> LayerWeights:
+    d = cfg.d_model
+    dt, std = jnp.dtype(cfg.dtype), cfg.init_std
+    attn = _gated_deltanet(cfg) if linear else _attention(cfg)
     if moe:
         e, f = cfg.n_experts, cfg.expert_mlp_dim
         mlp: Any = MoEWeights(
@@ -149,10 +193,11 @@ def _layer(cfg: ModelConfig, moe: bool) -> LayerWeights:
             up=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std),
             down=ParamSpec((e, f, d), dt, ("experts", "expert_mlp", "embed"), std=std),
             shared=_mlp(d, cfg.shared_mlp_dim, dt, std) if cfg.n_shared_experts else None,
+            shared_gate=ParamSpec((d, 1), dt, ("embed", None), std=std) if cfg.shared_expert_gate else None,
         )
     else:
         mlp = _mlp(d, cfg.dense_mlp_dim, dt, std)
-    return LayerWeights(attn_norm=norm(d), attn=attn, mlp_norm=norm(d), mlp=mlp)
+    return LayerWeights(attn_norm=_norm(d, cfg), attn=attn, mlp_norm=_norm(d, cfg), mlp=mlp)
 
 
 def _stack(tree: Any, n: int) -> Any:
@@ -160,15 +205,20 @@ def _stack(tree: Any, n: int) -> Any:
 
 
 def abstract(cfg: ModelConfig) -> Weights:
-    """The weight tree with ParamSpec leaves: shapes, dtypes, logical axes; no memory."""
+    """The weight tree with ParamSpec leaves: shapes, dtypes, logical axes; no memory.
+
+    Hybrid configs: `moe_layers` holds the full-attention layers, `linear_layers` the Gated DeltaNet ones.
+    """
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
+    n_attn_moe = cfg.n_moe_layers - cfg.n_linear_layers
     return Weights(
         embed=ParamSpec((cfg.vocab_size, cfg.d_model), dt, ("vocab", "embed"), std=std),
         dense_layers=_stack(_layer(cfg, moe=False), cfg.n_dense_layers) if cfg.n_dense_layers else None,
-        moe_layers=_stack(_layer(cfg, moe=True), cfg.n_moe_layers) if cfg.n_moe_layers else None,
-        final_norm=ParamSpec((cfg.d_model,), jnp.float32, ("norm",), init="ones"),
+        moe_layers=_stack(_layer(cfg, moe=True), n_attn_moe) if n_attn_moe else None,
+        final_norm=_norm(cfg.d_model, cfg),
         lm_head=None if cfg.tie_embeddings
         else ParamSpec((cfg.d_model, cfg.vocab_size), dt, ("embed", "vocab"), std=std),
+        linear_layers=_stack(_layer(cfg, moe=True, linear=True), cfg.n_linear_layers) if cfg.is_hybrid else None,
     )
 
 

@@ -4,6 +4,11 @@ Shapes: a call processes a window of W query tokens [B, W]. Without a cache the 
 W tokens. With a cache of S columns the window's K/V are first written into the cache at column
 `cache_offset`, then the window attends to all S cached columns through `mask` [B, W, S]. This one
 mechanism covers full passes, prompt prefill, block-by-block decoding and cache refreshes.
+
+Hybrid configs (Gated DeltaNet + full attention, `cfg.layer_types`) run as one `lax.scan` over the
+repeating group of layers (`cfg.layer_group`, e.g. 3 Gated DeltaNet layers then 1 attention layer), the
+group's layers unrolled in its body, so compile time does not grow with depth. Their Gated DeltaNet
+layers are causal; a hybrid forward takes no cache yet.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from clover_jax.config import ModelConfig
+from clover_jax.config import LINEAR_ATTENTION, ModelConfig
 from clover_jax.mesh.rules import MeshRules, constrain
-from clover_jax.model import layers, masks
+from clover_jax.model import gated_deltanet, layers, masks
 from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
 from clover_jax.model.params import LayerWeights, Weights
 
@@ -64,7 +69,7 @@ def _layer(
     layer: Array | None = None,
 ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
     """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None."""
-    h = layers.rms_norm(x, w.attn_norm, cfg.norm_eps)
+    h = layers.norm(x, w.attn_norm, cfg)
     q, k, v = layers.project_qkv(h, w.attn, positions, cfg)
     if kv is not None:
         # Write only this window into the stack-wide cache (in place in the scan carry), then read
@@ -78,7 +83,7 @@ def _layer(
     attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
     x = x + layers.output_projection(h, attn, w.attn, cfg)
     x = constrain(x, ("batch", "seq", "embed"), mesh)
-    h = layers.rms_norm(x, w.mlp_norm, cfg.norm_eps)
+    h = layers.norm(x, w.mlp_norm, cfg)
     if is_moe:
         y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
     else:
@@ -118,6 +123,50 @@ def _run_stack(
     return x, k, v, st
 
 
+def _linear_layer(x: Array, w: LayerWeights, valid: Array | None, cfg: ModelConfig, dispatch: str | None,
+                  mesh: MeshRules | None) -> tuple[Array, MoEStats]:
+    """One Gated DeltaNet layer with its MoE (from the start of the sequence, no state carried in)."""
+    h = layers.norm(x, w.attn_norm, cfg)
+    y, _ = gated_deltanet.mixer(h, w.attn, cfg, valid)
+    x = constrain(x + y, ("batch", "seq", "embed"), mesh)
+    h = layers.norm(x, w.mlp_norm, cfg)
+    y, st = moe_block(h, w.mlp, cfg, dispatch, None, mesh)
+    return constrain(x + y, ("batch", "seq", "embed"), mesh), st
+
+
+def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid: Array | None, cfg: ModelConfig,
+                dispatch: str | None, remat: bool, mesh: MeshRules | None) -> tuple[Array, MoEStats]:
+    """Every layer of a hybrid config: a scan over the groups of `cfg.layer_group`; MoE statistics
+    stacked over all layers in layer order."""
+    group = cfg.layer_group
+    n_groups = cfg.n_layers // len(group)
+    n_lin = group.count(LINEAR_ATTENTION)
+    per_group = lambda stack, n: None if stack is None else jax.tree.map(
+        lambda a: a.reshape(n_groups, n, *a.shape[1:]), stack)
+    lin = per_group(weights.linear_layers, n_lin)
+    full = per_group(weights.moe_layers, len(group) - n_lin)
+
+    def body(x: Array, ws: tuple) -> tuple[Array, MoEStats]:
+        wl, wf = ws
+        stats, i_lin, i_full = [], 0, 0
+        for kind in group:
+            if kind == LINEAR_ATTENTION:
+                w = jax.tree.map(lambda a, i=i_lin: a[i], wl)
+                x, st = _linear_layer(x, w, valid, cfg, dispatch, mesh)
+                i_lin += 1
+            else:
+                w = jax.tree.map(lambda a, i=i_full: a[i], wf)
+                x, _, st = _layer(x, w, positions, mask, None, jnp.int32(0), cfg, True, dispatch, mesh)
+                i_full += 1
+            stats.append(st)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+    if remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    x, st = jax.lax.scan(body, x, (lin, full))
+    return x, jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), st)
+
+
 def forward(
     weights: Weights,
     cfg: ModelConfig,
@@ -132,6 +181,7 @@ def forward(
     dispatch: str | None = None,
     remat: bool = False,
     mesh: MeshRules | None = None,
+    valid: Array | None = None,
 ) -> ForwardOut:
     """Logits for `tokens` [B, W]; `forward(weights, cfg, tokens).logits` for an unpadded batch.
 
@@ -140,24 +190,30 @@ def forward(
     logits_start / logits_len: compute the LM head only for that window of the W positions.
     dispatch: the MoE dispatch strategy (default the config's). mesh: shard activations and the
     expert-parallel dispatch on this mesh (None: one device, no constraints).
+    valid: [B, W] the window's real (non-padding) columns, which Gated DeltaNet layers need (None: all
+    real); attention layers read padding from `mask`.
     """
     if mask is None or positions is None:
         if cache is not None:
             raise ValueError("forward with a cache needs explicit positions and mask")
-        valid = jnp.ones(tokens.shape, bool)
-        positions = masks.positions(valid) if positions is None else positions
-        mask = masks.full_mask(cfg, valid) if mask is None else mask
+        everywhere = jnp.ones(tokens.shape, bool)
+        positions = masks.positions(everywhere) if positions is None else positions
+        mask = masks.full_mask(cfg, everywhere) if mask is None else mask
     x = weights.embed[tokens].astype(jnp.dtype(cfg.dtype))
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     offset = jnp.asarray(cache_offset, jnp.int32)
     new_cache = None
     dense_k = dense_v = moe_k = moe_v = None
     st = None
-    if weights.dense_layers is not None:
+    if cfg.is_hybrid:
+        if cache is not None:
+            raise ValueError(f"config {cfg.name!r} is hybrid (Gated DeltaNet layers): its forward takes no cache yet")
+        x, st = _run_hybrid(x, weights, positions, mask, valid, cfg, dispatch, remat, mesh)
+    if weights.dense_layers is not None:  # (never in a hybrid config)
         x, dense_k, dense_v, _ = _run_stack(
             x, weights.dense_layers, None if cache is None else cache.dense_k,
             None if cache is None else cache.dense_v, positions, mask, offset, cfg, False, dispatch, remat, mesh)
-    if weights.moe_layers is not None:
+    if weights.moe_layers is not None and not cfg.is_hybrid:
         x, moe_k, moe_v, st = _run_stack(
             x, weights.moe_layers, None if cache is None else cache.moe_k,
             None if cache is None else cache.moe_v, positions, mask, offset, cfg, True, dispatch, remat, mesh)
@@ -165,7 +221,7 @@ def forward(
         new_cache = KVCache(dense_k, dense_v, moe_k, moe_v)
     if logits_len is not None:
         x = jax.lax.dynamic_slice_in_dim(x, jnp.asarray(logits_start, jnp.int32), logits_len, axis=1)
-    x = layers.rms_norm(x, weights.final_norm, cfg.norm_eps)
+    x = layers.norm(x, weights.final_norm, cfg)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
     return ForwardOut(logits, new_cache, st)
@@ -177,4 +233,4 @@ def apply(weights: Weights, cfg: ModelConfig, tokens: Array, valid: Array | None
     if valid is None:
         valid = jnp.ones(tokens.shape, bool)
     return forward(weights, cfg, tokens, masks.positions(valid), masks.full_mask(cfg, valid), dispatch=dispatch,
-                   mesh=mesh).logits
+                   mesh=mesh, valid=valid).logits

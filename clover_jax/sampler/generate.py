@@ -158,9 +158,17 @@ def check_settings(sc: SamplerConfig) -> None:
     need(isinstance(sc.seed, int), f"seed must be an integer, got {sc.seed!r}")
 
 
+def check_model(cfg: ModelConfig) -> None:
+    """A model the sampler can run (no weights needed)."""
+    _need(not cfg.is_hybrid, f"config {cfg.name!r} has Gated DeltaNet layers, which run causally here: "
+          "masked-diffusion sampling needs the in-block bidirectional Gated DeltaNet, not implemented yet")
+
+
 def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]]) -> None:
-    """Token ids inside the vocabulary and prompt + generation within the model's length."""
+    """A model the sampler can run, token ids inside the vocabulary and prompt + generation within the
+    model's length."""
     need = _need
+    check_model(cfg)
     need(len(prompts) > 0, "no prompts given")
     for i, pr in enumerate(prompts):
         need(len(pr) > 0, f"prompt {i} is empty")

@@ -112,7 +112,8 @@ def choose_dispatch(mesh: MeshRules | None) -> str:
 
 def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = None,
               layer: Array | None = None, mesh: MeshRules | None = None) -> tuple[Array, MoEStats]:
-    """x [B, T, D] -> [B, T, D]: routed experts plus the (ungated) shared expert.
+    """x [B, T, D] -> [B, T, D]: routed experts plus the shared expert (scaled by sigmoid(x @ shared_gate)
+    when the weights have that gate, as Qwen3.5 has it; else added as is).
 
     With `layer`, w.gate/up/down are still stacked over layers ([L, E, ...]) and `layer` picks one:
     strategies in LAYER_STACK slice single experts from the stack, the others get the layer.
@@ -128,5 +129,8 @@ def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = 
         layer = None
     y, dropped = fn(flat, r, w, cfg, mesh, layer)
     if w.shared is not None:
-        y = y + swiglu(flat, w.shared)
+        shared = swiglu(flat, w.shared)
+        if w.shared_gate is not None:
+            shared = jax.nn.sigmoid(flat @ w.shared_gate) * shared
+        y = y + shared
     return y.reshape(b, t, d), stats(r, cfg.n_experts, dropped)
