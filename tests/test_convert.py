@@ -22,7 +22,7 @@ from clover_jax.convert import FAMILIES, ConversionError, convert
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 PRESETS = {"clover": "test-clover", "llada2_moe": "test-llada2", "llada_moe": "test-llada-moe",
-           "qwen3_moe": "test-qwen3-moe"}
+           "qwen3_moe": "test-qwen3-moe", "qwen3_5_moe": "test-qwen3-5-moe"}
 
 
 def write_hf(path, tensors: dict, hf_cfg: dict, n_files: int = 2) -> None:
@@ -46,11 +46,11 @@ def write_hf(path, tensors: dict, hf_cfg: dict, n_files: int = 2) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16, fused: bool = False) -> dict:
+def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16, fused: bool = False, **variants) -> dict:
     """Random tensors for every key the layout defines; norms/router/bias in `small_dtype`."""
     rng = np.random.default_rng(seed)
     out = {}
-    for g in FAMILIES[layout].groups(cfg, fused_experts=fused):
+    for g in FAMILIES[layout].groups(cfg, fused_experts=fused, **variants):
         for k, s in zip(g.hf, g.hf_shapes, strict=True):
             dt = np.dtype(cfg.dtype) if g.kind == "matmul" else small_dtype
             out[k] = (rng.standard_normal(s, np.float32) * 0.1).astype(dt)
@@ -83,12 +83,14 @@ def test_hf_native_hf_bit_exact(tmp_path, monkeypatch, layout):
     tensors = synthetic_tensors(cfg, layout, fused=fused)
     assert fused == ("model.layers.1.mlp.experts.gate_up_proj" in tensors)
     hf_cfg = FAMILIES[layout].config_to_hf(cfg)
-    hf_cfg["some_unknown_field"] = [1, 2]  # kept verbatim on the way back
+    if layout != "qwen3_5_moe":  # (which refuses fields it does not understand: see the test below)
+        hf_cfg["some_unknown_field"] = [1, 2]  # kept verbatim on the way back
     write_hf(tmp_path / "hf", tensors, hf_cfg)
     convert(str(tmp_path / "hf"), str(tmp_path / "native"), progress=False, mask_token_id=cfg.mask_token_id)
     cfg2, w = checkpoint.load_model(str(tmp_path / "native"))
     assert (cfg2.family, cfg2.dtype, cfg2.n_layers, cfg2.n_experts) == (layout, "bfloat16", cfg.n_layers, cfg.n_experts)
-    assert w.moe_layers.mlp.gate.shape == (cfg.n_moe_layers, cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim)
+    n_attention_moe = cfg.n_moe_layers - cfg.n_linear_layers
+    assert w.moe_layers.mlp.gate.shape == (n_attention_moe, cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim)
     assert w.moe_layers.mlp.router.dtype == np.float32  # norms and router are float32 natively
     assert os.path.exists(tmp_path / "native" / "tokenizer_config.json")
 
@@ -322,3 +324,51 @@ def test_killed_conversion_leaves_no_destination(tmp_path):
     assert pct and 0 < int(pct[-1]) < 100, seen[-2000:]
     assert not (tmp_path / "dst").exists()
     assert all(".tmp-" in n for n in os.listdir(tmp_path) if n != "src")
+
+
+def test_qwen3_5_config_fields_are_honoured_or_refused_by_name(tmp_path):
+    cfg = get_config("test-qwen3-5-moe")
+    family = FAMILIES["qwen3_5_moe"]
+    hf = family.config_to_hf(cfg)
+    assert family.config_from_hf(hf, cfg.name, cfg.dtype, cfg.mask_token_id) == cfg
+    older = {k: v for k, v in hf.items() if k != "layer_types"} | {"full_attention_interval": 4}
+    assert family.config_from_hf(older, cfg.name, cfg.dtype, cfg.mask_token_id).layer_types == cfg.layer_types
+    with pytest.raises(ConversionError, match=r"does not understand: mystery_knob"):
+        family.config_from_hf({**hf, "mystery_knob": 3}, cfg.name, cfg.dtype, None)
+    with pytest.raises(ConversionError, match=r"not supported: attention_bias"):
+        family.config_from_hf({**hf, "attention_bias": True}, cfg.name, cfg.dtype, None)
+    with pytest.raises(ConversionError, match=r"multimodal Qwen3.5 wrapper"):
+        family.config_from_hf({"model_type": "qwen3_5_moe", "text_config": hf}, cfg.name, cfg.dtype, None)
+    # the other families refuse the hybrid model instead of dropping its Gated DeltaNet layers
+    for name in ("clover", "llada2_moe", "llada_moe", "qwen3_moe"):
+        with pytest.raises(ConversionError, match="no Gated DeltaNet layers"):
+            FAMILIES[name].config_to_hf(cfg)
+
+
+def test_qwen3_5_key_prefix_and_qwen3_next_fused_projections(tmp_path):
+    """Keys under model.language_model. and Qwen3-Next's in_proj_qkvz / in_proj_ba import to the weights that
+    the plain split keys give (checked by converting both ways), and export back to the keys they came from."""
+    cfg = get_config("test-qwen3-5-moe", dtype="bfloat16")
+    family = FAMILIES["qwen3_5_moe"]
+    variants = {"fused_linear": True, "prefix": "model.language_model."}
+    tensors = synthetic_tensors(cfg, "qwen3_5_moe", seed=3, **variants)
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkvz.weight" in tensors and "lm_head.weight" in tensors
+    write_hf(tmp_path / "fused", tensors, family.config_to_hf(cfg))
+    convert(str(tmp_path / "fused"), str(tmp_path / "native"), progress=False, mask_token_id=cfg.mask_token_id)
+    _, w = checkpoint.load_model(str(tmp_path / "native"))
+    convert(str(tmp_path / "native"), str(tmp_path / "back"), progress=False)
+    back = read_dir(tmp_path / "back")
+    assert sorted(back) == sorted(tensors)
+    for k, a in tensors.items():
+        np.testing.assert_array_equal(back[k].view(np.uint8), a.view(np.uint8), err_msg=k)
+    # The same weights written in the split Qwen3.5 keys (each group's to_hf) import to the same arrays.
+    flat = {n: np.asarray(a) for n, a in checkpoint.flatten_weights(w).items()}
+    split = {}
+    for g in family.groups(cfg):
+        arrays = [flat[n] if i is None else flat[n][i] for n, i in g.native]
+        split.update(zip(g.hf, (np.asarray(a) for a in g.to_hf(arrays)), strict=True))
+    write_hf(tmp_path / "split", split, family.config_to_hf(cfg))
+    convert(str(tmp_path / "split"), str(tmp_path / "native2"), progress=False, mask_token_id=cfg.mask_token_id)
+    _, w2 = checkpoint.load_model(str(tmp_path / "native2"))
+    for name, a in checkpoint.flatten_weights(w2).items():
+        np.testing.assert_array_equal(np.asarray(a), flat[name], err_msg=name)

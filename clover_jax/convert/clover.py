@@ -12,6 +12,7 @@ native config round-trips exactly.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from clover_jax.config import ModelConfig
@@ -39,17 +40,25 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
     f["dtype"] = dtype
     if mask_token_id is not None:
         f["mask_token_id"] = mask_token_id
-    return common.make_config(hf.get("name") or name, NAME, f)
+    cfg = common.make_config(hf.get("name") or name, NAME, f)
+    common.refuse_qwen3_5_features(cfg, NAME)  # the clover_moe layout of the hybrid model is not written yet
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dict of `cfg`: the Qwen-style fields plus every native field, so it round-trips."""
+    common.refuse_qwen3_5_features(cfg, NAME)
     out = common.common_to_hf(cfg)
     out.update({k: v for k, v in cfg.to_dict().items() if k not in _MAPPED})
     out.update(model_type="clover_moe", architectures=["CloverMoeForDiffusionLM"], name=cfg.name,
                shared_expert_intermediate_size=cfg.shared_mlp_dim, first_k_dense_replace=cfg.n_dense_layers,
                intermediate_size=cfg.dense_mlp_dim)
     return out
+
+
+def source_variants(keys: Iterable[str]) -> dict[str, Any]:
+    """The `groups` keywords that describe a source checkpoint with these HF keys."""
+    return {"fused_experts": mapping.has_fused_experts(keys)}
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:

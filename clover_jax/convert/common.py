@@ -80,6 +80,14 @@ def common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return out
 
 
+def refuse_qwen3_5_features(cfg: ModelConfig, family: str) -> None:
+    """ConversionError when `cfg` has what only the qwen3_5_moe family expresses (Gated DeltaNet layers,
+    (1 + w) norms, a gated shared expert), so that no family drops them silently."""
+    refuse(cfg.is_hybrid, f"{family} has no Gated DeltaNet layers (export the hybrid model as qwen3_5_moe)")
+    refuse(cfg.norm_unit_offset, f"{family} norms scale by w, not (1 + w)")
+    refuse(cfg.shared_expert_gate, f"{family} has no shared-expert gate")
+
+
 def common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF fields every family shares for `cfg`: `COMMON_FIELDS`, RoPE, dtype, activation, mask token id."""
     d = cfg.to_dict()

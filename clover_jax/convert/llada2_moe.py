@@ -8,6 +8,7 @@ routed experts `mlp.experts.{e}.*`, one fused shared expert `mlp.shared_experts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from clover_jax.config import ModelConfig
@@ -52,6 +53,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dict of `cfg`; ConversionError if `cfg` uses what this family cannot express."""
+    common.refuse_qwen3_5_features(cfg, NAME)
     common.refuse(cfg.attn_output_gate, "llada2_moe has no attention output gate")
     common.refuse(cfg.router != "sigmoid", "llada2_moe routes with a sigmoid")
     common.refuse(not cfg.qk_norm, "llada2_moe always uses QK-norm")
@@ -64,6 +66,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                rotary_dim=cfg.rotary_dim, use_bias=False, use_qkv_bias=False, use_qk_norm=True,
                router_dtype="fp32", block_size=cfg.block_size)
     return out
+
+
+def source_variants(keys: Iterable[str]) -> dict[str, Any]:
+    """The `groups` keywords that describe a source checkpoint with these HF keys."""
+    return {"fused_experts": mapping.has_fused_experts(keys)}
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:

@@ -8,6 +8,7 @@ code, whatever `norm_topk_prob` says); a shared expert, if any, sits on the deco
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from clover_jax.config import ModelConfig
@@ -55,6 +56,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dict of `cfg`; ConversionError if `cfg` uses what this family cannot express."""
+    common.refuse_qwen3_5_features(cfg, NAME)
     common.refuse(cfg.attn_output_gate, "llada_moe has no attention output gate")
     common.refuse(cfg.router != "softmax" or cfg.use_expert_bias or cfg.norm_topk_prob,
              "llada_moe routes with a softmax and no renormalisation")
@@ -67,6 +69,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                partial_rotary_factor=cfg.partial_rotary_factor, norm_topk_prob=False, clip_qkv=None,
                moe_router_enable_expert_bias=False)
     return out
+
+
+def source_variants(keys: Iterable[str]) -> dict[str, Any]:
+    """The `groups` keywords that describe a source checkpoint with these HF keys."""
+    return {"fused_experts": mapping.has_fused_experts(keys)}
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:

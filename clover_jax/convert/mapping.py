@@ -114,6 +114,65 @@ def fused_experts_down(hf_key: str, slot: Slot, e: int, d: int, f: int) -> Group
                  to_hf=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))], part=part)
 
 
+def depthwise_conv(hf_key: str, slot: Slot, kernel: int, channels: int) -> Group:
+    """A depthwise `nn.Conv1d` weight [C, 1, K] <-> native [K, C]."""
+    return Group(hf=(hf_key,), hf_shapes=((channels, 1, kernel),), native=(slot,),
+                 to_native=lambda a: [np.ascontiguousarray(a[0][:, 0, :].T)],
+                 to_hf=lambda a: [np.ascontiguousarray(a[0].T[:, None, :])])
+
+
+def gated_query(hf_key: str, slots: tuple[Slot, Slot], d: int, h: int, hd: int) -> Group:
+    """Qwen3.5's `q_proj` [H * 2 * hd, D]: each head's rows are its query, then its output gate
+    <-> native q and gate, each [D, H, hd]."""
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        w = a[0].reshape(h, 2, hd, d)
+        return [np.ascontiguousarray(w[:, 0].transpose(2, 0, 1)), np.ascontiguousarray(w[:, 1].transpose(2, 0, 1))]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        w = np.stack([a[0].transpose(1, 2, 0), a[1].transpose(1, 2, 0)], axis=1)  # [H, 2, hd, D]
+        return [np.ascontiguousarray(w.reshape(h * 2 * hd, d))]
+
+    return Group(hf=(hf_key,), hf_shapes=((h * 2 * hd, d),), native=slots, to_native=to_native, to_hf=to_hf)
+
+
+def fused_qkvz(hf_key: str, slots: tuple[Slot, Slot], d: int, hk: int, dk: int, hv: int, dv: int) -> Group:
+    """Qwen3-Next's `in_proj_qkvz` [Hk * (2 dk + 2 r dv), D], r = Hv / Hk: per key head its query, key, its r
+    value heads and their r output gates <-> native qkv [D, q | k | v channels] and z [D, Hv, dv]."""
+    r = hv // hk
+    per_head = 2 * dk + 2 * r * dv
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        w = a[0].reshape(hk, per_head, d)
+        q, k = w[:, :dk].reshape(-1, d), w[:, dk:2 * dk].reshape(-1, d)
+        v, z = w[:, 2 * dk:2 * dk + r * dv].reshape(-1, d), w[:, 2 * dk + r * dv:].reshape(-1, d)
+        return [np.ascontiguousarray(np.concatenate([q, k, v]).T), np.ascontiguousarray(z.T.reshape(d, hv, dv))]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        qkv, z = a[0].T, a[1].reshape(d, hv * dv).T
+        q, k, v = qkv[:hk * dk], qkv[hk * dk:2 * hk * dk], qkv[2 * hk * dk:]
+        parts = [q.reshape(hk, dk, d), k.reshape(hk, dk, d), v.reshape(hk, r * dv, d), z.reshape(hk, r * dv, d)]
+        return [np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(hk * per_head, d))]
+
+    return Group(hf=(hf_key,), hf_shapes=((hk * per_head, d),), native=slots, to_native=to_native, to_hf=to_hf)
+
+
+def fused_ba(hf_key: str, slots: tuple[Slot, Slot], d: int, hk: int, hv: int) -> Group:
+    """Qwen3-Next's `in_proj_ba` [Hk * 2r, D]: per key head its r beta rows, then its r decay rows
+    <-> native b and a, each [D, Hv]."""
+    r = hv // hk
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        w = a[0].reshape(hk, 2 * r, d)
+        return [np.ascontiguousarray(w[:, :r].reshape(hv, d).T), np.ascontiguousarray(w[:, r:].reshape(hv, d).T)]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        b, a_ = a[0].T.reshape(hk, r, d), a[1].T.reshape(hk, r, d)
+        return [np.ascontiguousarray(np.concatenate([b, a_], axis=1).reshape(hk * 2 * r, d))]
+
+    return Group(hf=(hf_key,), hf_shapes=((hk * 2 * r, d),), native=slots, to_native=to_native, to_hf=to_hf)
+
+
 def _rows(a: Sequence[np.ndarray], i: int, sl: slice, n: int) -> np.ndarray:
     """Rows `sl` of tensor i: read alone when `a` can (the converter's lazy reader), else sliced."""
     start, stop, _ = sl.indices(n)
@@ -133,10 +192,11 @@ def mlp_groups(prefix: str, stack: str, i: int, sub: str, d: int, f: int) -> lis
     ]
 
 
-def expert_groups(prefix: str, i: int, cfg: ModelConfig, fused: bool) -> list[Group]:
-    """Routed experts under `{prefix}` (e.g. `model.layers.3.mlp.experts`), per-expert or fused."""
+def expert_groups(prefix: str, i: int, cfg: ModelConfig, fused: bool, stack: str = "moe_layers") -> list[Group]:
+    """Routed experts under `{prefix}` (e.g. `model.layers.3.mlp.experts`), per-expert or fused, into layer
+    `i` of `stack`."""
     e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_mlp_dim
-    s = "moe_layers.mlp"
+    s = f"{stack}.mlp"
     if fused:
         return [fused_experts_gate_up(f"{prefix}.gate_up_proj", ((f"{s}.gate", i), (f"{s}.up", i)), e, d, f),
                 fused_experts_down(f"{prefix}.down_proj", (f"{s}.down", i), e, d, f)]
@@ -170,6 +230,11 @@ def layer_stack(cfg: ModelConfig, layer: int) -> tuple[str, int, bool]:
     if layer < cfg.n_dense_layers:
         return "dense_layers", layer, False
     return "moe_layers", layer - cfg.n_dense_layers, True
+
+
+def has_fused_experts(keys: Iterable[str]) -> bool:
+    """Whether HF keys hold routed experts in transformers 5's fused form (`mlp.experts.gate_up_proj`)."""
+    return any(k.endswith(".mlp.experts.gate_up_proj") for k in keys)
 
 
 def ends(cfg: ModelConfig, embed_key: str, norm_key: str = "model.norm.weight",

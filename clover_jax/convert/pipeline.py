@@ -28,11 +28,11 @@ from clover_jax import checkpoint
 from clover_jax.checkpoint import LazyLeaf, WeightReader
 from clover_jax.checkpoint.format import key_problems, summary
 from clover_jax.config import ModelConfig
-from clover_jax.convert import clover, hf_io, llada2_moe, llada_moe, mapping, qwen3_moe
+from clover_jax.convert import clover, hf_io, llada2_moe, llada_moe, mapping, qwen3_5_moe, qwen3_moe
 from clover_jax.errors import ConversionError
 
 # The HF families by name (a native config's `family`, or what `--family` names).
-FAMILIES = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe)}
+FAMILIES = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe, qwen3_5_moe)}
 SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
 IGNORED_KEYS = re.compile(r".*\.rotary_emb\.inv_freq$")
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -183,7 +183,8 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
     try:
         name = os.path.basename(os.path.normpath(src))
         probe = mod.config_from_hf(hf, name, "float32", mask_token_id)
-        embed_key = next(g.hf[0] for g in mod.groups(probe) if g.native == (("embed", None),))
+        variants = mod.source_variants(source.tensors)
+        embed_key = next(g.hf[0] for g in mod.groups(probe, **variants) if g.native == (("embed", None),))
         if embed_key not in source.tensors:
             raise ConversionError(f"the tensors in {src} lack the embedding {embed_key!r} "
                                   f"(is this really a {mod.NAME} checkpoint?)")
@@ -191,8 +192,7 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConversionError(f"the embedding {embed_key} has dtype {dtype}; expected a float type")
         cfg = mod.config_from_hf(hf, name, dtype, mask_token_id)
-        fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in source.tensors)
-        groups = mod.groups(cfg, fused_experts=fused)
+        groups = mod.groups(cfg, **variants)
         dtypes = _check_tensors(cfg, groups, source)
 
         specs = checkpoint.expected_leaves(cfg)
@@ -232,7 +232,7 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
             return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
         leaves = {n: lazy(n, s) for n, s in specs.items()}
-        record = {"family": mod.NAME, "fused_experts": fused, "dtypes": dtypes, "config": hf}
+        record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf}
         try:
             out = checkpoint.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
                                    extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
@@ -268,7 +268,9 @@ def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes:
         # Unchanged config: write the original file back verbatim; else update it with the new values.
         same = mod.config_from_hf(source_cfg, cfg.name, cfg.dtype, cfg.mask_token_id) == cfg
         hf_cfg = source_cfg if same else {**source_cfg, **hf_cfg}
-    groups = mod.groups(cfg, fused_experts=bool(record.get("fused_experts")) and source_cfg is not None)
+    # The keys the import read (fused experts, a key prefix, ...); "fused_experts" alone: records before 0.2.
+    variants = record.get("variants", {"fused_experts": bool(record.get("fused_experts"))})
+    groups = mod.groups(cfg, **(variants if source_cfg is not None else {}))
     dtypes = record.get("dtypes", {}) if source_cfg is not None else {}
     specs = checkpoint.expected_leaves(cfg)
 

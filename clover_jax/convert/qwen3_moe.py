@@ -8,6 +8,7 @@ The HF config has no mask token: it comes from `--mask-token-id` (default: the l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from clover_jax.config import ModelConfig
@@ -45,6 +46,7 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dict of `cfg`; ConversionError if `cfg` uses what this family cannot express."""
+    common.refuse_qwen3_5_features(cfg, NAME)
     common.refuse(cfg.n_shared_experts > 0, "qwen3_moe has no shared experts")
     common.refuse(cfg.attn_output_gate, "qwen3_moe has no attention output gate")
     common.refuse(cfg.router != "softmax" or cfg.use_expert_bias, "qwen3_moe routes with a plain softmax")
@@ -55,6 +57,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                intermediate_size=cfg.dense_mlp_dim or cfg.expert_mlp_dim, use_sliding_window=False,
                num_local_experts=cfg.n_experts)
     return out
+
+
+def source_variants(keys: Iterable[str]) -> dict[str, Any]:
+    """The `groups` keywords that describe a source checkpoint with these HF keys."""
+    return {"fused_experts": mapping.has_fused_experts(keys)}
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:
