@@ -2,6 +2,8 @@
 
     python benchmarks/forward.py                  # medium shape: 8 layers, d 512, 32 experts top-4, B = 1 and 8
     python benchmarks/forward.py --batch 1 --dispatch tiled --no-torch
+    python benchmarks/forward.py --hybrid             # Qwen3.5 layout: 2 groups of 3 Gated DeltaNet + 1 gated attn
+    python benchmarks/forward.py --gdn                # one Gated DeltaNet layer: chunked vs recurrent, T 32..2048
 
 Every figure is the median wall time of `--runs` warm calls of one jitted forward pass (compile excluded),
 the candidates taken in turns so that a busy neighbour on a shared machine slows all of them alike;
@@ -41,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads (default: the core count; 1 is fairer on a machine others are loading)")
     p.add_argument("--check", action="store_true", help="also compare logits of each dispatch with transformers")
+    p.add_argument("--hybrid", action="store_true",
+                   help="the hybrid layout (groups of 3 Gated DeltaNet + 1 gated attention layer, gated shared expert, "
+                        "causal) next to transformers' Qwen3_5MoeForCausalLM")
+    p.add_argument("--gdn", action="store_true",
+                   help="only one Gated DeltaNet layer: chunked vs recurrent form (and transformers') at --gdn-lengths")
+    p.add_argument("--gdn-lengths", type=int, nargs="+", default=[32, 256, 2048])
     args = p.parse_args(argv)
     for name in ("seq", "layers", "d_model", "heads", "kv_heads", "head_dim", "experts", "top_k", "expert_width",
                  "vocab", "runs"):
@@ -54,6 +62,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_config(args: argparse.Namespace):
     from clover_jax.config import ModelConfig
 
+    if args.hybrid or args.gdn:
+        group = ("linear_attention",) * 3 + ("full_attention",)
+        if args.layers % 4:
+            raise SystemExit("--hybrid needs --layers in groups of 4 (3 Gated DeltaNet + 1 attention)")
+        return ModelConfig(
+            name="bench-qwen3-5-moe", family="qwen3_5_moe", vocab_size=args.vocab, d_model=args.d_model,
+            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+            n_experts=args.experts, n_experts_per_tok=args.top_k, expert_mlp_dim=args.expert_width,
+            n_shared_experts=1, shared_mlp_dim=args.expert_width, shared_expert_gate=True, router="softmax",
+            norm_topk_prob=True, attention="block_causal", block_size=1, qk_norm=True, attn_output_gate=True,
+            norm_unit_offset=True, partial_rotary_factor=0.25, layer_types=group * (args.layers // 4),
+            linear_num_key_heads=args.heads // 2, linear_num_value_heads=args.heads, linear_key_head_dim=args.head_dim,
+            linear_value_head_dim=args.head_dim, dtype="float32", max_seq_len=max(4096, args.seq), eos_token_id=1,
+            pad_token_id=0, init_std=0.05,
+        )
     return ModelConfig(
         name="bench-qwen3-moe", family="qwen3_moe", vocab_size=args.vocab, d_model=args.d_model,
         n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -88,10 +111,36 @@ def hf_state_dict(weights, cfg) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
+def hf_hybrid_model(weights, cfg):
+    """transformers' Qwen3_5MoeForCausalLM with our weights, mapped by the qwen3_5_moe converter's own groups
+    (experts in transformers 5's fused in-memory form)."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from clover_jax.checkpoint import flatten_weights
+    from clover_jax.convert import qwen3_5_moe
+
+    hf = qwen3_5_moe.config_to_hf(cfg)
+    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in hf.items() if k not in ("model_type", "architectures", "dtype",
+                                                                             "torch_dtype", "mask_token_id")})
+    model = Qwen3_5MoeForCausalLM(hf_cfg).eval()
+    flat = {n: np.asarray(a, np.float32) for n, a in flatten_weights(weights).items()}
+    sd = {}
+    for g in qwen3_5_moe.groups(cfg, fused_experts=True):
+        arrays = [flat[n] if i is None else flat[n][i] for n, i in g.native]
+        sd.update({k: torch.from_numpy(np.array(a)) for k, a in zip(g.hf, g.to_hf(arrays), strict=True)})
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return model
+
+
 def hf_model(weights, cfg):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if cfg.is_hybrid:
+        return hf_hybrid_model(weights, cfg)
     hf_cfg = Qwen3MoeConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
@@ -138,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = make_config(args)
     weights = init(cfg, jax.random.key(0))
+    if args.gdn:
+        return gdn_layer(args, cfg, weights)
     cores = os.cpu_count() or 1
     print(f"{cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads}x{cfg.head_dim} heads ({cfg.n_kv_heads} kv), "
           f"{cfg.n_experts} experts top-{cfg.n_experts_per_tok} width {cfg.expert_mlp_dim}, vocab {cfg.vocab_size}, "
@@ -167,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             ids = torch.from_numpy(np.asarray(tokens).astype(np.int64))
-            mask4 = torch.ones((b, 1, args.seq, args.seq), dtype=torch.bool)  # bidirectional
+            # bidirectional for Qwen3-MoE; the hybrid runs causally, transformers' default
+            mask4 = None if cfg.is_hybrid else torch.ones((b, 1, args.seq, args.seq), dtype=torch.bool)
 
             def run_torch(ids=ids, mask4=mask4):
                 with torch.inference_mode():
@@ -199,6 +251,54 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"| {row['B']} | " + " | ".join(f"{row[c]:.0f}" for c in cols) + " |")
     return 0
+
+
+def gdn_layer(args: argparse.Namespace, cfg, weights) -> int:
+    """ms per call of one Gated DeltaNet mixer (B=1) at each length: the chunked and the recurrent form here,
+    and transformers' Qwen3_5MoeGatedDeltaNet (its torch chunked fallback) on the same weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax.model import gated_deltanet
+
+    layer = jax.tree.map(lambda a: a[0], weights.linear_layers).attn
+    torch_layer = None
+    if not args.no_torch:
+        import torch
+
+        torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
+        torch_layer = hf_hybrid_model(weights, cfg).model.layers[0].linear_attn
+    print(f"one Gated DeltaNet layer: d {cfg.d_model}, {cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} "
+          f"value heads of {cfg.linear_key_head_dim}, B=1, fp32; median of {args.runs} warm runs")
+    print("| T | chunked (64) | recurrent | transformers |\n|---|---|---|---|")
+    for t in args.gdn_lengths:
+        x = jax.random.normal(jax.random.key(t), (1, t, cfg.d_model), jnp.float32)
+        calls = {}
+        for name, chunk in (("chunked", 0), ("recurrent", 10**9)):
+            fn = jax.jit(lambda x, chunk=chunk: _mixer_with(gated_deltanet, chunk, x, layer, cfg)).lower(x).compile()
+            calls[name] = lambda fn=fn, x=x: fn(x).block_until_ready()
+        if torch_layer is not None:
+            xt = torch.from_numpy(np.asarray(x))
+
+            def run_torch(xt=xt):
+                with torch.inference_mode():
+                    return torch_layer(xt)
+
+            calls["transformers"] = run_torch
+        times = {k: statistics.median(v) for k, v in interleaved_ms(calls, args.runs).items()}
+        print(f"| {t} | {times['chunked']:.1f} | {times['recurrent']:.1f} | "
+              f"{times.get('transformers', float('nan')):.1f} |", flush=True)
+    return 0
+
+
+def _mixer_with(gated_deltanet, chunk_threshold: int, x, layer, cfg):
+    """The mixer with the chunked form for windows longer than `chunk_threshold` (0: always chunked)."""
+    saved = gated_deltanet.RECURRENT_MAX
+    gated_deltanet.RECURRENT_MAX = chunk_threshold  # read while tracing: this jitted function keeps its form
+    try:
+        return gated_deltanet.mixer(x, layer, cfg)[0]
+    finally:
+        gated_deltanet.RECURRENT_MAX = saved
 
 
 if __name__ == "__main__":

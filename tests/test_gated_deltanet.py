@@ -22,7 +22,7 @@ def _inputs(t: int, seed: int = 0):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize(("t", "chunk"), [(70, 64), (70, 16), (5, 64), (32, 32)])
+@pytest.mark.parametrize(("t", "chunk"), [(70, 64), (70, 16), (5, 64), (32, 32), (40, 24)])  # 24: not a power of 2
 def test_chunked_equals_recurrent(t, chunk):
     q, k, v, g, beta = _inputs(t)
     s0 = jnp.asarray(np.random.default_rng(1).standard_normal((B, HV, DK, DV)), jnp.float32) * 0.1
@@ -138,7 +138,7 @@ def test_conv_matches_transformers(reference):
     np.testing.assert_allclose(np.asarray(jax.nn.silu(y)), want, atol=1e-5)
 
 
-def test_mixer_carries_its_state_across_windows_and_skips_padding():
+def test_mixer_carries_its_state_across_windows_and_skips_padding(monkeypatch):
     """A whole layer (projections, conv, delta rule, gated norm): prefix then rest equals the whole, the long
     window running the chunked form and the short ones the recurrent form; padding leaves the state alone."""
     from clover_jax.config import get_config
@@ -146,10 +146,11 @@ def test_mixer_carries_its_state_across_windows_and_skips_padding():
 
     cfg = get_config("test-qwen3-5-moe")
     layer = jax.tree.map(lambda a: a[0], params.init(cfg, jax.random.key(0)).linear_layers)
+    monkeypatch.setattr(gdn, "RECURRENT_MAX", 64)  # (read while tracing)
     x = jax.random.normal(jax.random.key(1), (B, 90, cfg.d_model), jnp.float32)
-    whole, s_whole = gdn.mixer(x, layer.attn, cfg)  # 90 > CHUNK: chunked
+    whole, s_whole = gdn.mixer(x, layer.attn, cfg)  # 90 > RECURRENT_MAX: chunked
     first, s = gdn.mixer(x[:, :50], layer.attn, cfg)
-    rest, s_end = gdn.mixer(x[:, 50:], layer.attn, cfg, state=s)  # 40 <= CHUNK: recurrent
+    rest, s_end = gdn.mixer(x[:, 50:], layer.attn, cfg, state=s)  # 40 <= RECURRENT_MAX: recurrent
     np.testing.assert_allclose(jnp.concatenate([first, rest], axis=1), whole, atol=1e-5, rtol=1e-5)
     for a, b in zip(s_end, s_whole, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -70,8 +70,11 @@ def test_converted_config(models):
     assert cfg.norm_unit_offset and cfg.shared_expert_gate and cfg.attn_output_gate and cfg.mask_token_id == MASK_ID
 
 
-@pytest.mark.parametrize("length", [24, 80])  # 80 > 64: the chunked delta rule, with a short last chunk
-def test_logits_match_transformers(models, length):
+@pytest.mark.parametrize(("length", "recurrent_max"), [(24, 256), (80, 64)])  # (80, 64): chunked, short last chunk
+def test_logits_match_transformers(models, length, recurrent_max, monkeypatch):
+    from clover_jax.model import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "RECURRENT_MAX", recurrent_max)  # read while tracing
     model, cfg, weights, _ = models
     tokens = np.asarray(jax.random.randint(jax.random.key(length), (2, length), 2, cfg.vocab_size))
     valid = np.ones(tokens.shape, bool)

@@ -31,7 +31,10 @@ from clover_jax.model.layers import rms_norm_gated
 from clover_jax.model.params import GatedDeltaNetWeights
 
 Array = jax.Array
-CHUNK = 64  # positions per chunk of the chunked form; windows up to this length run the recurrent form
+CHUNK = 64  # positions per chunk of the chunked form
+# Windows up to this length run the recurrent form: on the 2-core CPU it was faster up to 2048 positions
+# (benchmarks/forward.py --gdn); longer ones (prefill) run chunked, whose sequential depth is T / CHUNK.
+RECURRENT_MAX = 256
 
 
 class MixerState(NamedTuple):
@@ -79,6 +82,34 @@ def causal_conv(x: Array, weight: Array, tail: Array | None = None,
     want = count[:, -1:] - (k - 2 - jnp.arange(k - 1))[None]  # [B, K-1]
     idx = jnp.argmax(count[:, None, :] >= want[:, :, None], axis=-1)  # first entry reaching each count
     return y, jnp.take_along_axis(full, idx[:, :, None], axis=1)
+
+
+def _unit_lower_inverse(strict: Array) -> Array:
+    """(I + strict)^-1 for strictly lower-triangular `strict` [..., C, C], C a power of two: block forward
+    substitution, [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]], the two halves inverted together."""
+    c = strict.shape[-1]
+    if c == 1:
+        return jnp.ones_like(strict)
+    h = c // 2
+    halves = _unit_lower_inverse(jnp.stack([strict[..., :h, :h], strict[..., h:, h:]]))
+    a_inv, d_inv = halves[0], halves[1]
+    low = -(d_inv @ (strict[..., h:, :h] @ a_inv))
+    top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([low, d_inv], axis=-1)], axis=-2)
+
+
+def _unit_lower_solve(strict: Array, rhs: Array) -> Array:
+    """X with (I + strict) X = rhs, for strictly lower-triangular `strict` [..., C, C] and rhs [..., C, d]."""
+    c = strict.shape[-1]
+    if c & (c - 1) == 0:
+        return _unit_lower_inverse(strict) @ rhs
+
+    def row(i: Array, x: Array) -> Array:  # forward substitution, one row per step
+        xi = jax.lax.dynamic_index_in_dim(rhs, i, -2, keepdims=False) - jnp.einsum(
+            "...j,...jd->...d", jax.lax.dynamic_index_in_dim(strict, i, -2, keepdims=False), x)
+        return jax.lax.dynamic_update_index_in_dim(x, xi, i, -2)
+
+    return jax.lax.fori_loop(0, c, row, jnp.zeros_like(rhs))
 
 
 def _group_keys(q: Array, k: Array, n_v_heads: int) -> tuple[Array, Array]:
@@ -144,10 +175,12 @@ def delta_rule_chunked(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     lower = jnp.tril(jnp.ones((chunk, chunk), bool))
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [N, B, H, C, C]
     kb = k * beta[..., None]
-    eye = jnp.eye(chunk, dtype=f32)
-    system = eye + jnp.where(lower & ~eye.astype(bool), jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
+    strict = jnp.where(lower & ~jnp.eye(chunk, dtype=bool), jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    # (Block forward substitution rather than lax.linalg.triangular_solve: on XLA:CPU (jax 0.10) the
+    # triangular solve inside the layer scan next to the tiled MoE dispatch gave wrong results; see
+    # tests/test_hybrid_dispatch.py.)
+    solved = _unit_lower_solve(strict, rhs)
     u, w = solved[..., :dv], solved[..., dv:]
     attn = jnp.einsum("...id,...jd->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
@@ -172,7 +205,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
 
     As transformers' Qwen3.5 computes it: padding rows of x are zeroed; conv(x @ qkv) + SiLU splits into
     q, k, v; q and k are L2-normalised; beta = sigmoid(x @ b), g = -exp(a_log) * softplus(x @ a + dt_bias);
-    the delta rule (chunked for windows longer than CHUNK, recurrent otherwise); then
+    the delta rule (chunked for windows longer than RECURRENT_MAX, recurrent otherwise); then
     out(rms_norm_gated(o, x @ z)). valid [B, T] marks real columns (None: all); padding leaves the state
     alone. state: what the previous window left (None: the start of the sequence).
     """
@@ -191,7 +224,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     g = -jnp.exp(w.a_log.astype(f32)) * jax.nn.softplus((x @ w.a).astype(f32) + w.dt_bias.astype(f32))
     g, beta = mask_padding(g, beta, valid)
     q, k = l2_normalize(q), l2_normalize(k)
-    rule = delta_rule_chunked if t > CHUNK else delta_rule_recurrent
+    rule = delta_rule_chunked if t > RECURRENT_MAX else delta_rule_recurrent
     o, recurrent = rule(q, k, v, g, beta, None if state is None else state.recurrent)
     z = jnp.einsum("btd,dhk->bthk", x, w.z)
     o = rms_norm_gated(o.astype(x.dtype), z, w.norm, cfg.norm_eps)

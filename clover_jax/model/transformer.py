@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from clover_jax.config import LINEAR_ATTENTION, ModelConfig
+from clover_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from clover_jax.mesh.rules import MeshRules, constrain
 from clover_jax.model import gated_deltanet, layers, masks
 from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
@@ -124,13 +124,14 @@ def _run_stack(
 
 
 def _linear_layer(x: Array, w: LayerWeights, valid: Array | None, cfg: ModelConfig, dispatch: str | None,
-                  mesh: MeshRules | None) -> tuple[Array, MoEStats]:
-    """One Gated DeltaNet layer with its MoE (from the start of the sequence, no state carried in)."""
+                  mesh: MeshRules | None, layer: Array | None = None) -> tuple[Array, MoEStats]:
+    """One Gated DeltaNet layer with its MoE (from the start of the sequence, no state carried in).
+    layer: as in `_layer` (the expert weights still stacked, `layer` picks this layer's)."""
     h = layers.norm(x, w.attn_norm, cfg)
     y, _ = gated_deltanet.mixer(h, w.attn, cfg, valid)
     x = constrain(x + y, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
-    y, st = moe_block(h, w.mlp, cfg, dispatch, None, mesh)
+    y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
     return constrain(x + y, ("batch", "seq", "embed"), mesh), st
 
 
@@ -141,29 +142,41 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid
     group = cfg.layer_group
     n_groups = cfg.n_layers // len(group)
     n_lin = group.count(LINEAR_ATTENTION)
-    per_group = lambda stack, n: None if stack is None else jax.tree.map(
-        lambda a: a.reshape(n_groups, n, *a.shape[1:]), stack)
-    lin = per_group(weights.linear_layers, n_lin)
-    full = per_group(weights.moe_layers, len(group) - n_lin)
+    n_full = len(group) - n_lin
+    # As in `_run_stack`: dispatches that index [layer, expert] themselves get the expert weights still
+    # stacked (not sliced per layer by the scan, a copy on CPU) and a layer index.
+    stacked = not remat and takes_layer_stack(dispatch or cfg.moe_dispatch)
+    experts = {LINEAR_ATTENTION: weights.linear_layers.mlp, FULL_ATTENTION: weights.moe_layers.mlp}
+
+    def per_group(stack: LayerWeights, n: int) -> LayerWeights:
+        if stacked:
+            stack = stack.replace(mlp=stack.mlp.replace(gate=None, up=None, down=None))
+        return jax.tree.map(lambda a: a.reshape(n_groups, n, *a.shape[1:]), stack)
 
     def body(x: Array, ws: tuple) -> tuple[Array, MoEStats]:
-        wl, wf = ws
-        stats, i_lin, i_full = [], 0, 0
+        wl, wf, g = ws
+        stats, seen = [], {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
         for kind in group:
+            j = seen[kind]
+            seen[kind] += 1
+            w = jax.tree.map(lambda a, j=j: a[j], wl if kind == LINEAR_ATTENTION else wf)
+            layer = None
+            if stacked:
+                e = experts[kind]
+                w = w.replace(mlp=w.mlp.replace(gate=e.gate, up=e.up, down=e.down))
+                layer = g * (n_lin if kind == LINEAR_ATTENTION else n_full) + j
             if kind == LINEAR_ATTENTION:
-                w = jax.tree.map(lambda a, i=i_lin: a[i], wl)
-                x, st = _linear_layer(x, w, valid, cfg, dispatch, mesh)
-                i_lin += 1
+                x, st = _linear_layer(x, w, valid, cfg, dispatch, mesh, layer)
             else:
-                w = jax.tree.map(lambda a, i=i_full: a[i], wf)
-                x, _, st = _layer(x, w, positions, mask, None, jnp.int32(0), cfg, True, dispatch, mesh)
-                i_full += 1
+                x, _, st = _layer(x, w, positions, mask, None, jnp.int32(0), cfg, True, dispatch, mesh, layer)
             stats.append(st)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    x, st = jax.lax.scan(body, x, (lin, full))
+    xs = (per_group(weights.linear_layers, n_lin), per_group(weights.moe_layers, n_full),
+          jnp.arange(n_groups, dtype=jnp.int32))
+    x, st = jax.lax.scan(body, x, xs)
     return x, jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), st)
 
 
