@@ -160,3 +160,32 @@ def test_mixer_carries_its_state_across_windows_and_skips_padding(monkeypatch):
     np.testing.assert_allclose(y_pad[:, :50], first, atol=1e-5, rtol=1e-5)
     for a, b in zip(s_pad, s, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_forward_with_a_cache_runs_prefix_then_rest_as_the_whole():
+    """Through the whole hybrid model: a prefix pass that fills the cache (K/V for the attention layer,
+    recurrent state + conv tail for the Gated DeltaNet layers), then the rest against it, gives the logits
+    of one pass over everything; the state in the cache is what a pass over the whole leaves."""
+    from clover_jax.config import get_config
+    from clover_jax.model import masks, params, transformer
+
+    cfg = get_config("test-qwen3-5-moe")
+    weights = params.init(cfg, jax.random.key(0))
+    t, cut = 40, 17
+    tokens = jax.random.randint(jax.random.key(2), (B, t), 2, cfg.vocab_size)
+    valid = jnp.ones((B, t), bool)
+    pos = masks.positions(valid)
+    whole = transformer.forward(weights, cfg, tokens, dispatch="dense")
+    cache = transformer.init_cache(cfg, B, t)
+    assert cache.linear.recurrent.shape == (3, B, 4, 16, 8) and cache.moe_k.shape == (1, B, t, 2, 16)
+    full = masks.full_mask(cfg, valid)  # causal (blocks of one token)
+    first = transformer.forward(weights, cfg, tokens[:, :cut], pos[:, :cut], full[:, :cut], cache, 0,
+                                dispatch="dense")
+    rest = transformer.forward(weights, cfg, tokens[:, cut:], pos[:, cut:], full[:, cut:], first.cache, cut,
+                               dispatch="dense")
+    got = jnp.concatenate([first.logits, rest.logits], axis=1)
+    np.testing.assert_allclose(got, whole.logits, atol=1e-4, rtol=1e-4)
+    again = transformer.forward(weights, cfg, tokens, pos, full, transformer.init_cache(cfg, B, t), 0,
+                                dispatch="dense").cache
+    for a, b in zip(rest.cache.linear, again.linear, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)

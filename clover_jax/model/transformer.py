@@ -8,7 +8,9 @@ mechanism covers full passes, prompt prefill, block-by-block decoding and cache 
 Hybrid configs (Gated DeltaNet + full attention, `cfg.layer_types`) run as one `lax.scan` over the
 repeating group of layers (`cfg.layer_group`, e.g. 3 Gated DeltaNet layers then 1 attention layer), the
 group's layers unrolled in its body, so compile time does not grow with depth. Their Gated DeltaNet
-layers are causal; a hybrid forward takes no cache yet.
+layers are causal. With a cache, the attention layers write the window's K/V at `cache_offset` as above,
+and each Gated DeltaNet layer starts from the state in the cache (what every column before the window
+left) and writes back the state after the window: a window run twice advances the state twice.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ Array = jax.Array
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer: [layers, B, S, kv_heads, head_dim] for each stack."""
+    """Keys and values of every attention layer: [layers, B, S, kv_heads, head_dim] for each stack;
+    hybrid configs add the Gated DeltaNet layers' fixed-size state (`linear`, stacked over those layers)."""
 
     dense_k: Any
     dense_v: Any
     moe_k: Any
     moe_v: Any
+    linear: Any = None  # gated_deltanet.MixerState with [linear layers, B, ...] leaves, or None
 
     @property
     def length(self) -> int:
@@ -51,8 +55,15 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> 
     def zeros(n: int) -> Array | None:
         return jnp.zeros((n, batch, length, cfg.n_kv_heads, cfg.head_dim), dt) if n else None
 
-    return KVCache(zeros(cfg.n_dense_layers), zeros(cfg.n_dense_layers), zeros(cfg.n_moe_layers),
-                   zeros(cfg.n_moe_layers))
+    n_attn = cfg.n_moe_layers - cfg.n_linear_layers
+    linear = None
+    if cfg.is_hybrid:
+        n = cfg.n_linear_layers
+        linear = gated_deltanet.MixerState(
+            jnp.zeros((n, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                      jnp.float32),
+            jnp.zeros((n, batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dt))
+    return KVCache(zeros(cfg.n_dense_layers), zeros(cfg.n_dense_layers), zeros(n_attn), zeros(n_attn), linear)
 
 
 class ForwardOut(NamedTuple):
@@ -123,22 +134,24 @@ def _run_stack(
     return x, k, v, st
 
 
-def _linear_layer(x: Array, w: LayerWeights, valid: Array | None, cfg: ModelConfig, dispatch: str | None,
-                  mesh: MeshRules | None, layer: Array | None = None) -> tuple[Array, MoEStats]:
-    """One Gated DeltaNet layer with its MoE (from the start of the sequence, no state carried in).
-    layer: as in `_layer` (the expert weights still stacked, `layer` picks this layer's)."""
+def _linear_layer(x: Array, w: LayerWeights, valid: Array | None, state: gated_deltanet.MixerState | None,
+                  cfg: ModelConfig, dispatch: str | None, mesh: MeshRules | None, layer: Array | None = None,
+                  ) -> tuple[Array, gated_deltanet.MixerState, MoEStats]:
+    """One Gated DeltaNet layer with its MoE, from `state` (None: the start of the sequence); returns the
+    state after the window. layer: as in `_layer` (expert weights still stacked, `layer` picks this one's)."""
     h = layers.norm(x, w.attn_norm, cfg)
-    y, _ = gated_deltanet.mixer(h, w.attn, cfg, valid)
+    y, state = gated_deltanet.mixer(h, w.attn, cfg, valid, state)
     x = constrain(x + y, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
     y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
-    return constrain(x + y, ("batch", "seq", "embed"), mesh), st
+    return constrain(x + y, ("batch", "seq", "embed"), mesh), state, st
 
 
-def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid: Array | None, cfg: ModelConfig,
-                dispatch: str | None, remat: bool, mesh: MeshRules | None) -> tuple[Array, MoEStats]:
-    """Every layer of a hybrid config: a scan over the groups of `cfg.layer_group`; MoE statistics
-    stacked over all layers in layer order."""
+def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid: Array | None,
+                cache: KVCache | None, cache_offset: Array, cfg: ModelConfig, dispatch: str | None, remat: bool,
+                mesh: MeshRules | None) -> tuple[Array, KVCache | None, MoEStats]:
+    """Every layer of a hybrid config: a scan over the groups of `cfg.layer_group`; the cache (K/V and the
+    Gated DeltaNet states) rides in the carry; MoE statistics stacked over all layers in layer order."""
     group = cfg.layer_group
     n_groups = cfg.n_layers // len(group)
     n_lin = group.count(LINEAR_ATTENTION)
@@ -153,31 +166,40 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid
             stack = stack.replace(mlp=stack.mlp.replace(gate=None, up=None, down=None))
         return jax.tree.map(lambda a: a.reshape(n_groups, n, *a.shape[1:]), stack)
 
-    def body(x: Array, ws: tuple) -> tuple[Array, MoEStats]:
+    def body(carry: tuple, ws: tuple) -> tuple[tuple, MoEStats]:
+        x, c = carry
         wl, wf, g = ws
         stats, seen = [], {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
         for kind in group:
             j = seen[kind]
             seen[kind] += 1
             w = jax.tree.map(lambda a, j=j: a[j], wl if kind == LINEAR_ATTENTION else wf)
+            index = g * (n_lin if kind == LINEAR_ATTENTION else n_full) + j  # in its own stack
             layer = None
             if stacked:
                 e = experts[kind]
                 w = w.replace(mlp=w.mlp.replace(gate=e.gate, up=e.up, down=e.down))
-                layer = g * (n_lin if kind == LINEAR_ATTENTION else n_full) + j
+                layer = index
             if kind == LINEAR_ATTENTION:
-                x, st = _linear_layer(x, w, valid, cfg, dispatch, mesh, layer)
+                state = None if c is None else jax.tree.map(lambda a, i=index: a[i], c.linear)
+                x, state, st = _linear_layer(x, w, valid, state, cfg, dispatch, mesh, layer)
+                if c is not None:
+                    c = c.replace(linear=jax.tree.map(lambda a, s, i=index: a.at[i].set(s.astype(a.dtype)),
+                                                      c.linear, state))
             else:
-                x, _, st = _layer(x, w, positions, mask, None, jnp.int32(0), cfg, True, dispatch, mesh, layer)
+                kv = None if c is None else (c.moe_k, c.moe_v, index)
+                x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer)
+                if c is not None:
+                    c = c.replace(moe_k=kv[0], moe_v=kv[1])
             stats.append(st)
-        return x, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+        return (x, c), jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     xs = (per_group(weights.linear_layers, n_lin), per_group(weights.moe_layers, n_full),
           jnp.arange(n_groups, dtype=jnp.int32))
-    x, st = jax.lax.scan(body, x, xs)
-    return x, jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), st)
+    (x, cache), st = jax.lax.scan(body, (x, cache), xs)
+    return x, cache, jax.tree.map(lambda a: a.reshape(cfg.n_layers, *a.shape[2:]), st)
 
 
 def forward(
@@ -219,9 +241,7 @@ def forward(
     dense_k = dense_v = moe_k = moe_v = None
     st = None
     if cfg.is_hybrid:
-        if cache is not None:
-            raise ValueError(f"config {cfg.name!r} is hybrid (Gated DeltaNet layers): its forward takes no cache yet")
-        x, st = _run_hybrid(x, weights, positions, mask, valid, cfg, dispatch, remat, mesh)
+        x, new_cache, st = _run_hybrid(x, weights, positions, mask, valid, cache, offset, cfg, dispatch, remat, mesh)
     if weights.dense_layers is not None:  # (never in a hybrid config)
         x, dense_k, dense_v, _ = _run_stack(
             x, weights.dense_layers, None if cache is None else cache.dense_k,
@@ -230,7 +250,7 @@ def forward(
         x, moe_k, moe_v, st = _run_stack(
             x, weights.moe_layers, None if cache is None else cache.moe_k,
             None if cache is None else cache.moe_v, positions, mask, offset, cfg, True, dispatch, remat, mesh)
-    if cache is not None:
+    if cache is not None and not cfg.is_hybrid:
         new_cache = KVCache(dense_k, dense_v, moe_k, moe_v)
     if logits_len is not None:
         x = jax.lax.dynamic_slice_in_dim(x, jnp.asarray(logits_start, jnp.int32), logits_len, axis=1)
