@@ -247,29 +247,24 @@ def _register(cfg: ModelConfig) -> ModelConfig:
     return cfg
 
 
-# Reconstructed Clover: Qwen3.5-35B-A3B dimensions with full block-causal attention in every layer.
-_register(ModelConfig(
-    name="clover-35b-a3b", family="clover", vocab_size=248_320, d_model=2048, n_layers=40,
-    n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256, n_experts_per_tok=8, expert_mlp_dim=512,
-    n_shared_experts=1, shared_mlp_dim=512, router="softmax", norm_topk_prob=True,
-    attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True,
-    rope_theta=1e7, partial_rotary_factor=0.25, max_seq_len=32_768, eos_token_id=248_044,
-    pad_token_id=248_044, mask_token_id=248_319,
-))
-
-# The Qwen3.5 / 3.6-35B-A3B text backbone Clover is built on (transformers' qwen3_5_moe), run causally:
-# 10 groups of 3 Gated DeltaNet layers + 1 gated attention layer, each followed by a MoE with a gated shared
-# expert. rope_theta and the token ids are this preset's guesses: a converted checkpoint carries its own.
-_register(ModelConfig(
-    name="qwen3.5-35b-a3b", family="qwen3_5_moe", vocab_size=248_320, d_model=2048, n_layers=40,
-    n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256, n_experts_per_tok=8, expert_mlp_dim=512,
-    n_shared_experts=1, shared_mlp_dim=512, shared_expert_gate=True, router="softmax", norm_topk_prob=True,
-    attention="block_causal", block_size=1, qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
+# Clover-35B-A3B's dimensions: the Qwen3.5/3.6-35B-A3B hybrid (10 groups of 3 Gated DeltaNet + 1 gated
+# attention layer, 256 experts top-8 + a gated shared expert, untied, 128K context) with block-causal
+# attention in blocks of 32. rope_theta and the token ids are guesses: a converted checkpoint carries its own.
+_QWEN3_5_35B = dict(
+    vocab_size=248_320, d_model=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256, n_experts=256,
+    n_experts_per_tok=8, expert_mlp_dim=512, n_shared_experts=1, shared_mlp_dim=512, shared_expert_gate=True,
+    router="softmax", norm_topk_prob=True, qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
     rope_theta=1e7, partial_rotary_factor=0.25, max_seq_len=131_072,
     layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 10, linear_num_key_heads=16,
     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
     eos_token_id=248_044, pad_token_id=248_044, mask_token_id=248_319,
-))
+)
+_register(ModelConfig(name="clover-35b-a3b", family="clover", attention="block_causal", block_size=32,
+                      **_QWEN3_5_35B))
+
+# The same backbone as transformers' qwen3_5_moe runs it: causal (blocks of one token).
+_register(ModelConfig(name="qwen3.5-35b-a3b", family="qwen3_5_moe", attention="block_causal", block_size=1,
+                      **_QWEN3_5_35B))
 
 # The model this project trains and ships (checkpoints/clover-tiny): same attention mode and MoE kind.
 _register(ModelConfig(

@@ -60,10 +60,17 @@ def test_gpu_plans_by_arithmetic():
     rest = sum(s.size * np.dtype(s.dtype).itemsize for _, s in specs
                if "experts" not in s.axes and "vocab" not in s.axes)
     assert plan.weights_per_chip == pytest.approx(split * 2 / 8 + rest, rel=1e-6)
-    # analytic FLOPs of the cached pass: ~2 x active params x tokens plus attention over the cache
+    # analytic FLOPs of the cached pass: ~2 x active params x tokens, plus the 10 attention layers over the
+    # cache and the 30 Gated DeltaNet layers' state reads and writes (6 dk dv per value head and token)
     counts = params.count_params(cfg)
     matmul = 2 * (counts.active - cfg.vocab_size * cfg.d_model) * 32  # the embedding lookup is not a matmul
-    assert plan.passes[0].flops_total == pytest.approx(matmul + 40 * 4 * 16 * 256 * 4096 * 32, rel=0.02)
+    attention = 10 * 4 * 16 * 256 * 4096 * 32
+    delta_rule = 30 * 6 * 32 * 128 * 128 * 32
+    assert plan.passes[0].flops_total == pytest.approx(matmul + attention + delta_rule, rel=0.02)
+    # the cache: K/V of the 10 attention layers, plus a fixed state per Gated DeltaNet layer
+    kv = 2 * 10 * 4096 * 2 * 256 * 2
+    state = 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)
+    assert plan.cache_per_chip == kv + state and "Gated DeltaNet state" in clover_plan.format_plan(plan)
     one = layouts.Layout("one-h100", (1, 1, 1), ("data", "expert", "tensor"), platform="gpu", chip="h100")
     small = clover_plan.make_plan(cfg, one)
     assert not small.fits and "DOES NOT FIT by arithmetic" in clover_plan.format_plan(small)

@@ -117,14 +117,13 @@ def abstract_inputs(cfg: ModelConfig, p: PassShape, mesh: Any, rules: ShardingRu
     mask = sds((b, w, p.kv_len), jnp.bool_, ("batch", "seq", None))
     cache = None
     if p.cached:
-        c_axes = ("layers", "batch", "seq", "kv_heads", "head_dim")
-        dt = jnp.dtype(cfg.dtype)
-
-        def kv(n):
-            return sds((n, b, p.kv_len, cfg.n_kv_heads, cfg.head_dim), dt, c_axes) if n else None
-
-        cache = transformer.KVCache(kv(cfg.n_dense_layers), kv(cfg.n_dense_layers), kv(cfg.n_moe_layers),
-                                    kv(cfg.n_moe_layers))
+        # The shapes of transformer.init_cache: K/V [layers, B, S, kv_heads, head_dim]; Gated DeltaNet
+        # states [layers, B, ...], split by batch only.
+        shapes = jax.eval_shape(lambda: transformer.init_cache(cfg, b, p.kv_len))
+        kv = lambda s: None if s is None else sds(s.shape, s.dtype, ("layers", "batch", "seq", "kv_heads", "head_dim"))
+        state = lambda s: sds(s.shape, s.dtype, ("layers", "batch") + (None,) * (s.ndim - 2))
+        cache = transformer.KVCache(kv(shapes.dense_k), kv(shapes.dense_v), kv(shapes.moe_k), kv(shapes.moe_v),
+                                    None if shapes.linear is None else jax.tree.map(state, shapes.linear))
     offset = sds((), jnp.int32, ())
     return tokens, positions, mask, cache, offset
 

@@ -86,9 +86,28 @@ def weight_bytes_per_chip(cfg: ModelConfig, shardings: Any, mesh_shape: dict[str
     return total, per_chip
 
 
+def linear_state_bytes(cfg: ModelConfig) -> int:
+    """Bytes one sequence's Gated DeltaNet layers hold, whatever its length: per layer the float32
+    delta-rule state [Hv, dk, dv] and the conv tail [K-1, conv channels]."""
+    per_layer = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                 + (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * np.dtype(cfg.dtype).itemsize)
+    return cfg.n_linear_layers * per_layer
+
+
 def cache_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
-    """Bytes of the K/V cache of every layer for `batch` rows of `seq_len` columns."""
-    return 2 * cfg.n_layers * batch * seq_len * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+    """Bytes of the cache for `batch` rows of `seq_len` columns: K/V of every attention layer, plus the
+    fixed-size state of every Gated DeltaNet layer."""
+    kv = 2 * cfg.n_attention_layers * batch * seq_len * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+    return kv + batch * linear_state_bytes(cfg)
+
+
+def linear_layer_flops(cfg: ModelConfig) -> float:
+    """Matmul FLOPs per token of one Gated DeltaNet mixer: projections, conv, and the delta rule's state
+    reads and writes (about 6 dk dv per value head, the recurrent form's count)."""
+    d, c, vd, hv = cfg.d_model, cfg.linear_conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+    proj = 2 * d * (c + vd + 2 * hv) + 2 * vd * d
+    rule = 6 * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return float(proj + 2 * cfg.linear_conv_kernel_dim * c + rule)
 
 
 def analytic_flops(cfg: ModelConfig, p: PassShape) -> float:
@@ -101,7 +120,8 @@ def analytic_flops(cfg: ModelConfig, p: PassShape) -> float:
     attn = 2 * 2 * h * hd * p.kv_len
     moe_layer = 2 * d * cfg.n_experts + cfg.n_experts_per_tok * 6 * d * cfg.expert_mlp_dim + 6 * d * cfg.shared_mlp_dim
     dense_layer = 6 * d * cfg.dense_mlp_dim
-    per_token = cfg.n_layers * (proj + attn) + cfg.n_moe_layers * moe_layer + cfg.n_dense_layers * dense_layer
+    per_token = (cfg.n_attention_layers * (proj + attn) + cfg.n_linear_layers * linear_layer_flops(cfg)
+                 + cfg.n_moe_layers * moe_layer + cfg.n_dense_layers * dense_layer)
     return float(p.batch * p.window * per_token + p.batch * p.logits_len * 2 * d * cfg.vocab_size)
 
 
@@ -131,17 +151,20 @@ def analytic_flops_per_chip(cfg: ModelConfig, p: PassShape, layout: Layout, scan
 
     scan_once: count each layer stack's body once, as XLA's cost analysis does for a `lax.scan`
     (to cross-check the compiler's figure, not to estimate time)."""
-    if scan_once:
+    if scan_once and cfg.is_hybrid:  # the scan body is one group of layers
+        cfg = cfg.replace(n_layers=len(cfg.layer_group), layer_types=cfg.layer_group)
+    elif scan_once:
         cfg = cfg.replace(n_layers=int(cfg.n_dense_layers > 0) + int(cfg.n_moe_layers > 0),
                           n_dense_layers=int(cfg.n_dense_layers > 0))
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     tokens, logit_tokens = p.batch * p.window, p.batch * p.logits_len
     proj = 2 * d * hd * (2 * h + 2 * kv + (h if cfg.attn_output_gate else 0))
-    attn = cfg.n_layers * (proj + 2 * 2 * h * hd * p.kv_len) * tokens / shards(layout, "batch", "q_heads")
+    attn = cfg.n_attention_layers * (proj + 2 * 2 * h * hd * p.kv_len) * tokens / shards(layout, "batch", "q_heads")
+    linear = cfg.n_linear_layers * linear_layer_flops(cfg) * tokens / shards(layout, "batch", "linear_heads")
     experts = cfg.n_moe_layers * (cfg.n_experts_per_tok * 6 * d * cfg.expert_mlp_dim) * tokens / shards(
         layout, "batch", "experts", "expert_mlp")
     router = cfg.n_moe_layers * 2 * d * cfg.n_experts * tokens / shards(layout, "batch")
     mlp = (cfg.n_moe_layers * 6 * d * cfg.shared_mlp_dim + cfg.n_dense_layers * 6 * d * cfg.dense_mlp_dim) * tokens \
         / shards(layout, "batch", "mlp")
     head = 2 * d * cfg.vocab_size * logit_tokens / shards(layout, "batch", "vocab")
-    return float(attn + experts + router + mlp + head)
+    return float(attn + linear + experts + router + mlp + head)

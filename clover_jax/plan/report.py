@@ -39,6 +39,7 @@ from clover_jax.plan.arithmetic import (
     analytic_flops_per_chip,
     cache_bytes,
     experts_touched,
+    linear_state_bytes,
     mesh_factor,
     passes,
     shards,
@@ -163,6 +164,9 @@ def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq
     return Plan(cfg, layout, spec_chip, dispatch, total, per_chip, cache_chip, reports, method, note)
 
 
+CONTEXTS = (4096, 32_768, 131_072)  # the context lengths whose cache size the report prints
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
@@ -185,6 +189,10 @@ def format_plan(plan: Plan) -> str:
         f"in {c.dtype}; {_gb(plan.weights_per_chip)} per chip (arithmetic, from the shardings)",
         f"KV cache: {_gb(plan.cache_per_chip)} per chip for batch {plan.passes[0].shape.batch} x "
         f"{plan.passes[0].shape.kv_len} tokens",
+        "cache per sequence: " + ", ".join(f"{_gb(cache_bytes(c, 1, n))} at {n // 1024}K" for n in CONTEXTS
+                                          if n <= c.max_seq_len)
+        + (f" (of which {_gb(linear_state_bytes(c))} Gated DeltaNet state, the same at any length)"
+           if c.is_hybrid else ""),
         f"method: {plan.method}" + (f" ({plan.note})" if plan.note else ""),
     ]
     for r in plan.passes:
@@ -230,8 +238,9 @@ def format_plan(plan: Plan) -> str:
                      "Interconnect time is not in the roofline.)")
     touched = experts_touched(c, plan.passes[0].shape.batch * plan.passes[0].shape.window)
     if c.n_experts:
-        lines.append(f"  a {plan.passes[0].shape.window}-token block routes to ~{100 * touched:.0f}% of the experts, "
-                     "so the cached pass reads most expert weights: HBM bandwidth, not FLOPs, sets its speed")
+        lines.append(f"  a {plan.passes[0].shape.window}-token block routes to ~{100 * touched:.0f}% of the experts"
+                     + (", so the cached pass reads most expert weights: HBM bandwidth, not FLOPs, sets its speed"
+                        if touched > 0.5 else ""))
     if plan.method == "arithmetic":
         verdict = "FITS" if plan.fits else "DOES NOT FIT"
         lines.append(f"verdict: {verdict} by arithmetic: ~{_gb(plan.estimate_per_chip)} per chip (weights + cache + "
