@@ -12,7 +12,6 @@ native config round-trips exactly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 from clover_jax.config import ModelConfig
@@ -56,9 +55,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def source_variants(keys: Iterable[str]) -> dict[str, Any]:
-    """The `groups` keywords that describe a source checkpoint with these HF keys."""
-    return {"fused_experts": mapping.has_fused_experts(keys)}
+source_variants = mapping.expert_variants
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:

@@ -8,7 +8,6 @@ routed experts `mlp.experts.{e}.*`, one fused shared expert `mlp.shared_experts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from clover_jax.config import ModelConfig
@@ -68,9 +67,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def source_variants(keys: Iterable[str]) -> dict[str, Any]:
-    """The `groups` keywords that describe a source checkpoint with these HF keys."""
-    return {"fused_experts": mapping.has_fused_experts(keys)}
+source_variants = mapping.expert_variants
 
 
 def groups(cfg: ModelConfig, fused_experts: bool = False) -> list[mapping.Group]:

@@ -237,6 +237,12 @@ def has_fused_experts(keys: Iterable[str]) -> bool:
     return any(k.endswith(".mlp.experts.gate_up_proj") for k in keys)
 
 
+def expert_variants(keys: Iterable[str]) -> dict[str, bool]:
+    """`source_variants` of a family whose only variant is the experts' form: the `groups` keywords
+    that describe a source checkpoint with these HF keys."""
+    return {"fused_experts": has_fused_experts(keys)}
+
+
 def ends(cfg: ModelConfig, embed_key: str, norm_key: str = "model.norm.weight",
          head_key: str = "lm_head.weight") -> list[Group]:
     """The embedding, the final norm and (unless tied) the lm_head, under the given HF keys."""

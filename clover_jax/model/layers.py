@@ -13,14 +13,19 @@ Array = jax.Array
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
 
+def _normalized(x: Array, eps: float) -> Array:
+    """x / rms(x) over the last axis, in float32."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: Array, weight: Array, eps: float, unit_offset: bool = False) -> Array:
     """RMSNorm over the last axis, in float32.
 
     Plain: normalised, cast back to x's dtype, then scaled by `weight` (transformers' Llama/Qwen3 order).
     unit_offset: scaled by (1 + weight) in float32, then cast (Qwen3.5's zero-initialised norm).
     """
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = _normalized(x, eps)
     if unit_offset:
         return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return (weight * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
@@ -33,9 +38,7 @@ def norm(x: Array, weight: Array, cfg: ModelConfig) -> Array:
 
 def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float) -> Array:
     """Gated RMSNorm of the Gated DeltaNet output: weight * norm(x) * silu(gate), norm before gate."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    y = weight * xf.astype(x.dtype).astype(jnp.float32)
+    y = weight * _normalized(x, eps).astype(x.dtype).astype(jnp.float32)
     return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
