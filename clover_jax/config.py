@@ -21,6 +21,7 @@ RouterKind = Literal["softmax", "sigmoid"]
 FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"  # the two kinds of `layer_types`
+BD_GDN_MODES = ("none", "reconstructed")  # how Gated DeltaNet layers use Clover's block-diffusion tensors
 MAX_LAYER_GROUP = 8  # the layers of one group are unrolled inside the scan over groups
 
 
@@ -71,6 +72,13 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w_gate) (Qwen3.5)
+    # Clover's block-diffusion Gated DeltaNet. `bd_conv_right_kernel` > 0: every Gated DeltaNet layer carries
+    # the four extra tensors (conv_right_weight of that many taps, bd_softmax_logit_scale / _history_bias /
+    # _history_c). `bd_gdn` says how they are used: "reconstructed" (this project's reading of them, see the
+    # README: bidirectional inside a block, the committed prefix only through the recurrent state) or "none"
+    # (ignored: the plain causal Gated DeltaNet, as llama.cpp runs Clover).
+    bd_gdn: str = "none"
+    bd_conv_right_kernel: int = 0
     # Special tokens.
     mask_token_id: int = -1  # -1: the last id of the vocabulary
     eos_token_id: int = 1
@@ -142,6 +150,16 @@ class ModelConfig:
     def linear_conv_dim(self) -> int:
         """Channels of the Gated DeltaNet conv: queries, keys and values side by side."""
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def has_bd_weights(self) -> bool:
+        """Whether the Gated DeltaNet layers carry Clover's four block-diffusion tensors."""
+        return self.is_hybrid and self.bd_conv_right_kernel > 0
+
+    @property
+    def is_bd_gdn(self) -> bool:
+        """Whether the Gated DeltaNet layers run in block-diffusion mode (`bd_gdn == "reconstructed"`)."""
+        return self.bd_gdn == "reconstructed"
 
     @property
     def is_block_causal(self) -> bool:
@@ -235,6 +253,15 @@ def validate(cfg: ModelConfig) -> None:
         need(len(cfg.layer_group) <= MAX_LAYER_GROUP,
              f"layer_types must repeat a group of at most {MAX_LAYER_GROUP} layers (the body of the layer scan); "
              f"got {list(cfg.layer_types)}")
+    need(cfg.bd_gdn in BD_GDN_MODES, f"bd_gdn must be one of {BD_GDN_MODES}, got {cfg.bd_gdn!r}")
+    need(cfg.bd_conv_right_kernel >= 0, f"bd_conv_right_kernel must be >= 0, got {cfg.bd_conv_right_kernel}")
+    need(cfg.bd_conv_right_kernel == 0 or cfg.is_hybrid,
+         "bd_conv_right_kernel > 0 needs Gated DeltaNet layers (layer_types with linear_attention)")
+    if cfg.is_bd_gdn:
+        need(cfg.has_bd_weights, "bd_gdn='reconstructed' needs the block-diffusion tensors (bd_conv_right_kernel > 0)")
+        need(cfg.is_block_causal and cfg.block_size > 1,
+             f"bd_gdn='reconstructed' needs block_causal attention with blocks longer than one token "
+             f"(attention={cfg.attention!r}, block_size={cfg.block_size})")
 
 
 # ---- presets ---------------------------------------------------------------------------------
@@ -260,20 +287,23 @@ _QWEN3_5_35B = dict(
     eos_token_id=248_044, pad_token_id=248_044, mask_token_id=248_319,
 )
 _register(ModelConfig(name="clover-35b-a3b", family="clover", attention="block_causal", block_size=32,
-                      **_QWEN3_5_35B))
+                      bd_gdn="reconstructed", bd_conv_right_kernel=4, **_QWEN3_5_35B))
 
 # The same backbone as transformers' qwen3_5_moe runs it: causal (blocks of one token).
 _register(ModelConfig(name="qwen3.5-35b-a3b", family="qwen3_5_moe", attention="block_causal", block_size=1,
                       **_QWEN3_5_35B))
 
-# The model this project trains and ships (checkpoints/clover-tiny): same attention mode and MoE kind.
+# The model this project trains and ships (checkpoints/clover-tiny): Clover's layout in miniature, one group
+# of 3 block-diffusion Gated DeltaNet layers + 1 gated attention layer, a gated shared expert, blocks of 32.
 _register(ModelConfig(
     name="clover-tiny", family="clover", vocab_size=2048, d_model=192, n_layers=4, n_heads=4,
     n_kv_heads=2, head_dim=48, n_experts=8, n_experts_per_tok=2, expert_mlp_dim=128,
-    n_shared_experts=1, shared_mlp_dim=128, router="softmax", norm_topk_prob=True,
-    attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True,
+    n_shared_experts=1, shared_mlp_dim=128, shared_expert_gate=True, router="softmax", norm_topk_prob=True,
+    attention="block_causal", block_size=32, qk_norm=True, attn_output_gate=True, norm_unit_offset=True,
     rope_theta=10000.0, partial_rotary_factor=0.5, max_seq_len=1024, eos_token_id=2, pad_token_id=0,
     mask_token_id=3, dtype="float32",
+    layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=48, linear_value_head_dim=48, bd_gdn="reconstructed", bd_conv_right_kernel=4,
 ))
 
 _register(ModelConfig(
@@ -318,6 +348,14 @@ _register(ModelConfig(
     block_size=1, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
     layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=8, **_TEST_COMMON,
+))
+_register(ModelConfig(
+    name="test-clover-hybrid", family="clover", n_layers=4, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
+    expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, shared_expert_gate=True, attention="block_causal",
+    block_size=8, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
+    layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, bd_gdn="reconstructed", bd_conv_right_kernel=3,
+    **_TEST_COMMON,
 ))
 _register(ModelConfig(
     name="test-qwen3-moe", family="qwen3_moe", n_layers=2, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,

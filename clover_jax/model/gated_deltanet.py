@@ -21,7 +21,7 @@ no-ops for the state (no decay, no write); `causal_conv` keeps the last valid in
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,13 +58,29 @@ def mask_padding(g: Array, beta: Array, valid: Array | None) -> tuple[Array, Arr
     return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
 
 
-def causal_conv(x: Array, weight: Array, tail: Array | None = None,
-                valid: Array | None = None) -> tuple[Array, Array]:
+def _shift(x: Array, d: int) -> Array:
+    """x [B, T, ...] moved d columns later along T: out[:, t] = x[:, t - d], zero where t - d is outside
+    (d < 0 looks ahead: out[:, t] = x[:, t + |d|])."""
+    if d == 0:
+        return x
+    t = x.shape[1]
+    pad = [(0, 0)] * x.ndim
+    if d > 0:
+        pad[1] = (d, 0)
+        return jnp.pad(x[:, :t - d], pad)
+    pad[1] = (0, -d)
+    return jnp.pad(x[:, -d:], pad)
+
+
+def causal_conv(x: Array, weight: Array, tail: Array | None = None, valid: Array | None = None,
+                keep: Array | None = None) -> tuple[Array, Array]:
     """Depthwise causal conv: y_t = sum_j weight[j] * x_{t-K+1+j}, and the conv's next tail.
 
     x [B, T, C]; weight [K, C]; tail [B, K-1, C]: the inputs just before x (None: zeros, the start of a
     sequence). Padding columns (valid [B, T] False) count as zero inputs, and the returned tail holds the
-    last K-1 valid inputs of (tail, x), so a window whose end is padding continues exactly. No activation.
+    last K-1 valid inputs of (tail, x), so a window whose end is padding continues exactly. keep [B, T]
+    (default `valid`): the columns that may enter the returned tail (the sampler's refinement passes keep
+    none, so the tail stays that of the committed prefix). No activation.
     """
     b, t, c = x.shape
     k = weight.shape[0]
@@ -74,14 +90,38 @@ def causal_conv(x: Array, weight: Array, tail: Array | None = None,
         tail = jnp.zeros((b, k - 1, c), x.dtype)
     full = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     y = sum(full[:, j:j + t] * weight[j].astype(x.dtype) for j in range(k))
-    if valid is None:
+    keep = valid if keep is None else keep
+    if keep is None:
         return y, full[:, t:]
-    # The last K-1 valid entries of `full` (the old tail counts as valid): entry number n - (K-2-s), 1-based.
-    ok = jnp.concatenate([jnp.ones((b, k - 1), bool), valid], axis=1)
+    # The last K-1 kept entries of `full` (the old tail counts as kept): entry number n - (K-2-s), 1-based.
+    ok = jnp.concatenate([jnp.ones((b, k - 1), bool), keep], axis=1)
     count = jnp.cumsum(ok, axis=1)  # [B, K-1+T]
     want = count[:, -1:] - (k - 2 - jnp.arange(k - 1))[None]  # [B, K-1]
     idx = jnp.argmax(count[:, None, :] >= want[:, :, None], axis=-1)  # first entry reaching each count
     return y, jnp.take_along_axis(full, idx[:, :, None], axis=1)
+
+
+def right_conv(x: Array, weight: Array, blocks: Array, valid: Array) -> Array:
+    """The right-looking depthwise conv inside a block: y_t = sum_j weight[j] * x_{t+j}, j = 0 .. Kr-1, over
+    the columns t + j that are valid and in t's block (a block never looks into the next one).
+    x [B, T, C]; weight [Kr, C]; blocks [B, T] block ids; valid [B, T]."""
+    y = jnp.zeros_like(x)
+    for j in range(weight.shape[0]):
+        same = (_shift(blocks, -j) == blocks) & _shift(valid, -j)
+        y = y + jnp.where(same[:, :, None], _shift(x, -j), 0) * weight[j].astype(x.dtype)
+    return y
+
+
+def two_stream_conv(noisy: Array, clean: Array, weight: Array, blocks: Array) -> Array:
+    """The causal conv of the noisy stream of block-diffusion training: a tap inside the column's block reads
+    the noisy input, a tap in an earlier block reads the clean one (the committed prefix it will have at
+    inference). noisy, clean [B, L, C] aligned by column; weight [K, C]; blocks [B, L]."""
+    k = weight.shape[0]
+    y = noisy * weight[k - 1].astype(noisy.dtype)
+    for d in range(1, k):
+        same = (_shift(blocks, d) == blocks)[:, :, None]
+        y = y + jnp.where(same, _shift(noisy, d), _shift(clean, d)) * weight[k - 1 - d].astype(noisy.dtype)
+    return y
 
 
 def _unit_lower_inverse(strict: Array) -> Array:
@@ -199,22 +239,131 @@ def delta_rule_chunked(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     return jnp.swapaxes(o, 1, 2), state
 
 
-def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None = None,
-          state: MixerState | None = None) -> tuple[Array, MixerState]:
-    """One Gated DeltaNet layer's mixer, x [B, T, D] -> (y [B, T, D], state after the window).
+class Stream(NamedTuple):
+    """One stream's per-position inputs of the delta rule (q, k L2-normalised)."""
 
-    As transformers' Qwen3.5 computes it: padding rows of x are zeroed; conv(x @ qkv) + SiLU splits into
-    q, k, v; q and k are L2-normalised; beta = sigmoid(x @ b), g = -exp(a_log) * softplus(x @ a + dt_bias);
-    the delta rule (chunked for windows longer than RECURRENT_MAX, recurrent otherwise); then
-    out(rms_norm_gated(o, x @ z)). valid [B, T] marks real columns (None: all); padding leaves the state
-    alone. state: what the previous window left (None: the start of the sequence).
+    q: Array  # [B, T, Hk, dk]
+    k: Array  # [B, T, Hk, dk]
+    v: Array  # [B, T, Hv, dv]
+    g: Array  # [B, T, Hv] log decay
+    beta: Array  # [B, T, Hv]
+
+
+def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | None = None,
+                      commit: Array | int | None = None, history: bool = False,
+                      noisy: Stream | None = None) -> tuple[Array, Array | None, Array]:
+    """The gated delta rule one position at a time, aware of diffusion blocks.
+
+    The state advances over every valid position of `x` as in `delta_rule_recurrent`. What each position
+    reads out:
+      history=False: the causal read-out o_t = S_t^T q_t (S_t includes t itself);
+      history=True:  the history read-out h_t = S_b^T q_t, S_b the state at the start of t's block (what the
+                     blocks before it left): the committed prefix, never the block itself.
+    noisy: a second stream aligned with `x` by column (block-diffusion training: x is the clean sequence,
+    noisy the same sequence with masked tokens). Its read-outs use the clean state of the blocks before its
+    own block: history=True reads S_b with the noisy queries; history=False runs the noisy tokens of the
+    block causally from S_b (a noisy block never writes the clean state).
+
+    blocks [B, T] block ids (a new block starts where a valid column's id differs from the previous valid
+    column's); valid [B, T]. state [B, Hv, dk, dv] float32 (None: zeros). commit: the returned state is the
+    state after the first `commit` columns (None: after all), so a refinement pass over an uncommitted
+    block (commit=0) leaves the state alone. Returns (o [B, T, Hv, dv] float32, noisy o or None, state).
     """
+    b, _, hv, dv = x.v.shape
+    dk = x.q.shape[-1]
+    f32 = jnp.float32
+
+    def time_major(st: Stream) -> tuple[Array, ...]:
+        q, k = _group_keys(st.q, st.k, hv)
+        q = q.astype(f32) * dk**-0.5
+        return tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, st.v, st.g, st.beta))
+
+    col = jnp.arange(blocks.shape[1])
+    keep = jnp.ones_like(col, bool) if commit is None else col < commit
+    xs = (time_major(x), None if noisy is None else time_major(noisy), jnp.moveaxis(blocks.astype(jnp.int32), 1, 0),
+          jnp.moveaxis(valid, 1, 0), keep)
+    state = _zero_state(b, hv, dk, dv) if state is None else state.astype(f32)
+
+    def update(s: Array, kt: Array, vt: Array, gt: Array, bt: Array) -> Array:
+        s = s * jnp.exp(gt)[:, :, None, None]
+        kv = jnp.einsum("bhkv,bhk->bhv", s, kt)
+        return s + jnp.einsum("bhk,bhv->bhkv", kt, (vt - kv) * bt[:, :, None])
+
+    def read(s: Array, qt: Array) -> Array:
+        return jnp.einsum("bhkv,bhk->bhv", s, qt)
+
+    def step(carry: tuple, xt: tuple) -> tuple[tuple, tuple]:
+        s, snap, n, cur, kept = carry
+        (qt, kt, vt, gt, bt), nt, blk, ok, kp = xt
+        start = (ok & (blk != cur))[:, None, None, None]
+        snap = jnp.where(start, s, snap)
+        cur = jnp.where(ok, blk, cur)
+        s_new = update(s, kt, vt, gt, bt)
+        o = read(snap if history else s_new, qt)
+        kept = jnp.where(kp, s_new, kept)
+        on = None
+        if nt is not None:
+            qn, kn, vn, gn, bn = nt
+            if history:
+                on = read(snap, qn)
+            else:
+                n = update(jnp.where(start, snap, n), kn, vn, gn, bn)
+                on = read(n, qn)
+        return (s_new, snap, n, cur, kept), (o, on)
+
+    init = (state, state, state if (noisy is not None and not history) else None,
+            jnp.full((b,), -1, jnp.int32), state)
+    (_, _, _, _, kept), (o, on) = jax.lax.scan(step, init, xs)
+    return jnp.moveaxis(o, 0, 1), None if on is None else jnp.moveaxis(on, 0, 1), kept
+
+
+def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, valid: Array,
+                      w: GatedDeltaNetWeights, span: int) -> Array:
+    """The in-block softmax of the block-diffusion Gated DeltaNet, mixed with the history read-out.
+
+    For position t, over the valid positions j of t's block and one history slot:
+        logit_j = bd_logit_scale * <q_t, k_j>          (q, k L2-normalised: a cosine times a learned scale)
+        logit_h = bd_history_bias
+        o_t = softmax_h * bd_history_c * hist_t + sum_j softmax_j * v_j
+    per value head. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; hist [B, T, Hv, dv] (`delta_rule_blocks` with
+    history=True); blocks, valid [B, T]. span: the most columns a block covers (blocks are contiguous), so
+    the keys of a query in tile i of `span` columns lie in tiles i-1 .. i+1: the cost is linear in T.
+    Returns [B, T, Hv, dv] float32.
+    """
+    b, t, hv, dv = v.shape
+    f32 = jnp.float32
+    q, k = _group_keys(q.astype(f32), k.astype(f32), hv)
+    n = -(-t // span)
+    pad = n * span - t
+
+    def tiles(a: Array, fill: Any = 0) -> Array:  # [B, T, ...] -> [B, n, span, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return a.reshape(b, n, span, *a.shape[2:])
+
+    def neighbours(a: Array, fill: Any = 0) -> Array:  # [B, n, span, ...] -> [B, n, 3 span, ...]: tiles i-1, i, i+1
+        edge = jnp.full_like(a[:, :1], fill)
+        prev = jnp.concatenate([edge, a[:, :-1]], axis=1)
+        nxt = jnp.concatenate([a[:, 1:], edge], axis=1)
+        return jnp.concatenate([prev, a, nxt], axis=2)
+
+    qt, bq = tiles(q), tiles(blocks, -1)
+    kt, vt = neighbours(tiles(k)), neighbours(tiles(v.astype(f32)))
+    bk, ok = neighbours(tiles(blocks, -1), -1), neighbours(tiles(valid, False), False)
+    logits = jnp.einsum("bnqhd,bnkhd->bnhqk", qt, kt) * w.bd_logit_scale.astype(f32)[:, None, None]
+    see = (bq[:, :, :, None] == bk[:, :, None, :]) & ok[:, :, None, :]  # [B, n, span, 3 span]
+    logits = jnp.where(see[:, :, None], logits, -jnp.inf)
+    hist_logit = jnp.broadcast_to(w.bd_history_bias.astype(f32)[:, None, None], (b, n, hv, span, 1))
+    p = jax.nn.softmax(jnp.concatenate([hist_logit, logits], axis=-1), axis=-1)
+    o = jnp.einsum("bnhqk,bnkhd->bnqhd", p[..., 1:], vt)
+    o = o + jnp.moveaxis(p[..., 0], 2, 3)[..., None] * w.bd_history_c.astype(f32)[:, None] * tiles(hist.astype(f32))
+    return o.reshape(b, n * span, hv, dv)[:, :t]
+
+
+def _heads(mixed: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None) -> Stream:
+    """q, k (L2-normalised), v, g, beta of the conv output `mixed` (before SiLU) and the layer input x."""
     b, t, _ = x.shape
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    if valid is not None:
-        x = jnp.where(valid[:, :, None], x, 0)
-    mixed, tail = causal_conv(x @ w.qkv, w.conv, None if state is None else state.conv_tail, valid)
     mixed = jax.nn.silu(mixed)
     q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
     k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
@@ -223,9 +372,79 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     beta = jax.nn.sigmoid((x @ w.b).astype(f32))
     g = -jnp.exp(w.a_log.astype(f32)) * jax.nn.softplus((x @ w.a).astype(f32) + w.dt_bias.astype(f32))
     g, beta = mask_padding(g, beta, valid)
-    q, k = l2_normalize(q), l2_normalize(k)
-    rule = delta_rule_chunked if t > RECURRENT_MAX else delta_rule_recurrent
-    o, recurrent = rule(q, k, v, g, beta, None if state is None else state.recurrent)
+    return Stream(l2_normalize(q), l2_normalize(k), v, g, beta)
+
+
+def _output(o: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig) -> Array:
     z = jnp.einsum("btd,dhk->bthk", x, w.z)
     o = rms_norm_gated(o.astype(x.dtype), z, w.norm, cfg.norm_eps)
-    return jnp.einsum("bthk,hkd->btd", o, w.out), MixerState(recurrent, tail)
+    return jnp.einsum("bthk,hkd->btd", o, w.out)
+
+
+def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None = None,
+          state: MixerState | None = None, blocks: Array | None = None, commit: Array | int | None = None,
+          two_stream: bool = False) -> tuple[Array, MixerState]:
+    """One Gated DeltaNet layer's mixer, x [B, T, D] -> (y [B, T, D], state after the window).
+
+    As transformers' Qwen3.5 computes it: padding rows of x are zeroed; conv(x @ qkv) + SiLU splits into
+    q, k, v; q and k are L2-normalised; beta = sigmoid(x @ b), g = -exp(a_log) * softplus(x @ a + dt_bias);
+    the delta rule; then out(rms_norm_gated(o, x @ z)). valid [B, T] marks real columns (None: all);
+    padding leaves the state alone. state: what the previous window left (None: the start of the sequence).
+
+    Block diffusion (`cfg.is_bd_gdn`, Clover as this project reconstructs it): the conv adds a right-looking
+    conv inside each block (`right_conv`), and the delta rule's read-out is replaced by an in-block softmax
+    mixed with the read-out of the state the earlier blocks left (`delta_rule_blocks` with history=True,
+    `inblock_attention`): a position sees every position of its block and the committed prefix only through
+    the recurrent state. The state still advances causally over every position, for the blocks after.
+    blocks [B, T]: block ids of the window's columns (needed in block-diffusion mode; a window always starts
+    at a block boundary). commit: the state (and conv tail) returned is that after the first `commit` columns
+    (None: all). two_stream: x is [B, 2L, D], the noisy sequence then the clean one (block-diffusion
+    training); blocks and valid likewise (their halves are equal); each noisy block reads the clean prefix.
+    """
+    bd = cfg.is_bd_gdn
+    if valid is None:
+        valid = jnp.ones(x.shape[:2], bool)
+    if blocks is None:
+        if bd:
+            raise ValueError("block-diffusion Gated DeltaNet needs the window's block ids")
+        blocks = jnp.zeros(x.shape[:2], jnp.int32)
+    x = jnp.where(valid[:, :, None], x, 0)
+    if two_stream:
+        return _two_stream(x, w, cfg, valid, blocks)
+    proj = x @ w.qkv
+    keep = None if commit is None else valid & (jnp.arange(x.shape[1])[None] < commit)
+    mixed, tail = causal_conv(proj, w.conv, None if state is None else state.conv_tail, valid, keep)
+    if bd:
+        mixed = mixed + right_conv(proj, w.conv_right, blocks, valid)
+    st = _heads(mixed, x, w, cfg, valid)
+    initial = None if state is None else state.recurrent
+    if not bd and commit is None:
+        rule = delta_rule_chunked if x.shape[1] > RECURRENT_MAX else delta_rule_recurrent
+        o, recurrent = rule(st.q, st.k, st.v, st.g, st.beta, initial)
+    else:
+        o, _, recurrent = delta_rule_blocks(st, blocks, valid, initial, commit, history=bd)
+    if bd:
+        o = inblock_attention(st.q, st.k, st.v, o, blocks, valid, w, cfg.block_size)
+    return _output(o, x, w, cfg), MixerState(recurrent, tail)
+
+
+def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, blocks: Array,
+                ) -> tuple[Array, MixerState]:
+    """`mixer` over block-diffusion training's (noisy, clean) halves of x [B, 2L, D]."""
+    bd = cfg.is_bd_gdn
+    seq = x.shape[1] // 2
+    xn, xc = x[:, :seq], x[:, seq:]
+    valid, blocks = valid[:, seq:], blocks[:, seq:]
+    pn, pc = xn @ w.qkv, xc @ w.qkv
+    mixed_c, tail = causal_conv(pc, w.conv, None, valid)
+    mixed_n = two_stream_conv(pn, pc, w.conv, blocks)
+    if bd:
+        mixed_c = mixed_c + right_conv(pc, w.conv_right, blocks, valid)
+        mixed_n = mixed_n + right_conv(pn, w.conv_right, blocks, valid)
+    clean, noisy = _heads(mixed_c, xc, w, cfg, valid), _heads(mixed_n, xn, w, cfg, valid)
+    oc, on, recurrent = delta_rule_blocks(clean, blocks, valid, history=bd, noisy=noisy)
+    if bd:
+        oc = inblock_attention(clean.q, clean.k, clean.v, oc, blocks, valid, w, cfg.block_size)
+        on = inblock_attention(noisy.q, noisy.k, noisy.v, on, blocks, valid, w, cfg.block_size)
+    y = jnp.concatenate([_output(on, xn, w, cfg), _output(oc, xc, w, cfg)], axis=1)
+    return y, MixerState(recurrent, tail)

@@ -11,6 +11,7 @@ are their own stack.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: Any
     axes: tuple[str | None, ...]  # one logical axis name per dimension
-    init: str = "normal"  # normal | ones | zeros
+    init: str = "normal"  # normal | ones | zeros | constant
     std: float = 0.02
+    value: float = 0.0  # the fill of init="constant"
 
     def __post_init__(self) -> None:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -51,7 +53,7 @@ class ParamSpec:
 
     def stacked(self, n: int) -> ParamSpec:
         """The same weight with a leading `layers` axis of size `n`."""
-        return ParamSpec((n, *self.shape), self.dtype, ("layers", *self.axes), self.init, self.std)
+        return ParamSpec((n, *self.shape), self.dtype, ("layers", *self.axes), self.init, self.std, self.value)
 
     def struct(self, sharding: Any = None) -> jax.ShapeDtypeStruct:
         """A `jax.ShapeDtypeStruct` of this shape and dtype, with `sharding` if given."""
@@ -111,6 +113,11 @@ class GatedDeltaNetWeights:
     dt_bias: Any  # [linear_heads] float32
     norm: Any  # [head_dim] float32 scale of the gated RMSNorm
     out: Any  # [linear_heads, head_dim, embed]
+    # Clover's block-diffusion tensors (None unless cfg.has_bd_weights); see gated_deltanet.block_mixer.
+    conv_right: Any = None  # [bd_conv_right_kernel, linear_conv] right-looking depthwise conv inside a block
+    bd_logit_scale: Any = None  # [linear_heads] float32 scale of the in-block softmax logits
+    bd_history_bias: Any = None  # [linear_heads] float32 logit of the history slot
+    bd_history_c: Any = None  # [linear_heads] float32 coefficient of the history read-out
 
 
 @struct.dataclass
@@ -176,6 +183,21 @@ def _gated_deltanet(cfg: ModelConfig) -> GatedDeltaNetWeights:
         dt_bias=ParamSpec((hv,), f32, ("linear_heads",), init="ones"),
         norm=ParamSpec((dv,), f32, ("head_dim",), init="ones"),
         out=ParamSpec((hv, dv, d), dt, ("linear_heads", "head_dim", "embed"), std=std),
+        **(_block_diffusion(cfg) if cfg.has_bd_weights else {}),
+    )
+
+
+def _block_diffusion(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Clover's four extra Gated DeltaNet tensors, initialised so that a fresh layer starts close to the causal
+    one plus a moderately sharp in-block softmax: no right conv, logit scale sqrt(dk), history slot at par."""
+    hv, f32 = cfg.linear_num_value_heads, jnp.float32
+    return dict(
+        conv_right=ParamSpec((cfg.bd_conv_right_kernel, cfg.linear_conv_dim), jnp.dtype(cfg.dtype),
+                             (None, "linear_conv"), init="zeros"),
+        bd_logit_scale=ParamSpec((hv,), f32, ("linear_heads",), init="constant",
+                                 value=float(cfg.linear_key_head_dim) ** 0.5),
+        bd_history_bias=ParamSpec((hv,), f32, ("linear_heads",), init="zeros"),
+        bd_history_c=ParamSpec((hv,), f32, ("linear_heads",), init="ones"),
     )
 
 
@@ -235,6 +257,8 @@ def _init_leaf(spec: ParamSpec, key: Array) -> Array:
         return jnp.ones(spec.shape, spec.dtype)
     if spec.init == "zeros":
         return jnp.zeros(spec.shape, spec.dtype)
+    if spec.init == "constant":
+        return jnp.full(spec.shape, spec.value, spec.dtype)
     return (spec.std * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
 
 
@@ -244,14 +268,21 @@ def init(cfg: ModelConfig, key: Array, shardings: Any = None) -> Weights:
     With `shardings` (a tree matching `abstract(cfg)`, e.g. from `weight_shardings`) no
     host ever holds a whole weight: each device generates its own shard.
     """
-    specs = abstract(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    if shardings is None:
+        return _init_program(cfg)(key)
+    return jax.jit(functools.partial(_make, cfg), out_shardings=shardings)(key)
 
-    def make(key: Array) -> Weights:
-        keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys, strict=True)])
 
-    return jax.jit(make, out_shardings=shardings)(key)
+def _make(cfg: ModelConfig, key: Array) -> Weights:
+    leaves, treedef = jax.tree.flatten(abstract(cfg), is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys, strict=True)])
+
+
+@functools.lru_cache(maxsize=8)
+def _init_program(cfg: ModelConfig) -> Callable[[Array], Weights]:
+    """One compiled initialiser per config (tests and notebooks initialise the same config many times)."""
+    return jax.jit(functools.partial(_make, cfg))
 
 
 def map_specs(fn: Callable[[ParamSpec], Any], cfg_or_specs: Any) -> Any:

@@ -8,9 +8,11 @@ mechanism covers full passes, prompt prefill, block-by-block decoding and cache 
 Hybrid configs (Gated DeltaNet + full attention, `cfg.layer_types`) run as one `lax.scan` over the
 repeating group of layers (`cfg.layer_group`, e.g. 3 Gated DeltaNet layers then 1 attention layer), the
 group's layers unrolled in its body, so compile time does not grow with depth. Their Gated DeltaNet
-layers are causal. With a cache, the attention layers write the window's K/V at `cache_offset` as above,
-and each Gated DeltaNet layer starts from the state in the cache (what every column before the window
-left) and writes back the state after the window: a window run twice advances the state twice.
+layers are causal, or, with Clover's block-diffusion reading (`cfg.is_bd_gdn`), bidirectional inside a
+block and causal across blocks (`gated_deltanet.mixer`). With a cache, the attention layers write the
+window's K/V at `cache_offset` as above, and each Gated DeltaNet layer starts from the state in the cache
+(what every column before the window left) and writes back the state after the window's first `commit`
+columns (all by default): a window run twice with commit=None advances the state twice.
 """
 
 from __future__ import annotations
@@ -134,20 +136,29 @@ def _run_stack(
     return x, k, v, st
 
 
-def _linear_layer(x: Array, w: LayerWeights, valid: Array | None, state: gated_deltanet.MixerState | None,
+class Windows(NamedTuple):
+    """What Gated DeltaNet layers need to know about a window besides its tokens (see `forward`)."""
+
+    valid: Array | None
+    blocks: Array
+    commit: Array | int | None
+    two_stream: bool
+
+
+def _linear_layer(x: Array, w: LayerWeights, win: Windows, state: gated_deltanet.MixerState | None,
                   cfg: ModelConfig, dispatch: str | None, mesh: MeshRules | None, layer: Array | None = None,
                   ) -> tuple[Array, gated_deltanet.MixerState, MoEStats]:
     """One Gated DeltaNet layer with its MoE, from `state` (None: the start of the sequence); returns the
     state after the window. layer: as in `_layer` (expert weights still stacked, `layer` picks this one's)."""
     h = layers.norm(x, w.attn_norm, cfg)
-    y, state = gated_deltanet.mixer(h, w.attn, cfg, valid, state)
+    y, state = gated_deltanet.mixer(h, w.attn, cfg, win.valid, state, win.blocks, win.commit, win.two_stream)
     x = constrain(x + y, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
     y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
     return constrain(x + y, ("batch", "seq", "embed"), mesh), state, st
 
 
-def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid: Array | None,
+def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: Windows,
                 cache: KVCache | None, cache_offset: Array, cfg: ModelConfig, dispatch: str | None, remat: bool,
                 mesh: MeshRules | None) -> tuple[Array, KVCache | None, MoEStats]:
     """Every layer of a hybrid config: a scan over the groups of `cfg.layer_group`; the cache (K/V and the
@@ -182,7 +193,7 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, valid
                 layer = index
             if kind == LINEAR_ATTENTION:
                 state = None if c is None else jax.tree.map(lambda a, i=index: a[i], c.linear)
-                x, state, st = _linear_layer(x, w, valid, state, cfg, dispatch, mesh, layer)
+                x, state, st = _linear_layer(x, w, win, state, cfg, dispatch, mesh, layer)
                 if c is not None:
                     c = c.replace(linear=jax.tree.map(lambda a, s, i=index: a.at[i].set(s.astype(a.dtype)),
                                                       c.linear, state))
@@ -217,6 +228,9 @@ def forward(
     remat: bool = False,
     mesh: MeshRules | None = None,
     valid: Array | None = None,
+    blocks: Array | None = None,
+    commit: Array | int | None = None,
+    two_stream: bool = False,
 ) -> ForwardOut:
     """Logits for `tokens` [B, W]; `forward(weights, cfg, tokens).logits` for an unpadded batch.
 
@@ -227,6 +241,11 @@ def forward(
     expert-parallel dispatch on this mesh (None: one device, no constraints).
     valid: [B, W] the window's real (non-padding) columns, which Gated DeltaNet layers need (None: all
     real); attention layers read padding from `mask`.
+    Gated DeltaNet layers only (attention layers read all of this from `mask`): blocks [B, W] the window's
+    block ids (default positions // block_size); commit: with a cache, the Gated DeltaNet state written
+    back is the one after the first `commit` columns of the window (None: all; 0 for a refinement pass
+    over a block that is not final yet); two_stream: tokens are block-diffusion training's (noisy, clean)
+    halves, whose noisy blocks read the clean prefix (`gated_deltanet.mixer`).
     """
     if mask is None or positions is None:
         if cache is not None:
@@ -241,7 +260,8 @@ def forward(
     dense_k = dense_v = moe_k = moe_v = None
     st = None
     if cfg.is_hybrid:
-        x, new_cache, st = _run_hybrid(x, weights, positions, mask, valid, cache, offset, cfg, dispatch, remat, mesh)
+        win = Windows(valid, positions // cfg.block_size if blocks is None else blocks, commit, two_stream)
+        x, new_cache, st = _run_hybrid(x, weights, positions, mask, win, cache, offset, cfg, dispatch, remat, mesh)
     if weights.dense_layers is not None:  # (never in a hybrid config)
         x, dense_k, dense_v, _ = _run_stack(
             x, weights.dense_layers, None if cache is None else cache.dense_k,

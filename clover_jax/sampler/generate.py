@@ -160,8 +160,9 @@ def check_settings(sc: SamplerConfig) -> None:
 
 def check_model(cfg: ModelConfig) -> None:
     """A model the sampler can run (no weights needed)."""
-    _need(not cfg.is_hybrid, f"config {cfg.name!r} has Gated DeltaNet layers, which run causally here: "
-          "masked-diffusion sampling needs the in-block bidirectional Gated DeltaNet, not implemented yet")
+    _need(not cfg.is_hybrid or cfg.is_block_causal,
+          f"config {cfg.name!r} has Gated DeltaNet layers but bidirectional attention: the sampler runs hybrid "
+          "models block-causally (attention='block_causal')")
 
 
 def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]]) -> None:
@@ -169,6 +170,9 @@ def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequenc
     model's length."""
     need = _need
     check_model(cfg)
+    need(not cfg.is_bd_gdn or sc.block_length <= cfg.block_size,
+         f"block_length {sc.block_length} is longer than the model's blocks ({cfg.block_size}): its block-diffusion "
+         f"Gated DeltaNet layers see one block at a time; use block_length <= {cfg.block_size}")
     need(len(prompts) > 0, "no prompts given")
     for i, pr in enumerate(prompts):
         need(len(pr) > 0, f"prompt {i} is empty")

@@ -20,6 +20,14 @@ Cache modes (W = width of the window each step runs, NFE = forward passes):
   dual    block-causal: same as prefix (later blocks are invisible anyway). Exact.
           Bidirectional: refresh at block start, then run only block j against the stale prefix
           and suffix (Fast-dLLM's dual cache). Approximate.
+
+Hybrid models (Gated DeltaNet layers, always block-causal here) cache, besides the attention layers'
+K/V, each Gated DeltaNet layer's recurrent state and conv tail *after the committed columns*: the
+prefill writes the prompt's; refinement passes over block j read it and write nothing back (commit=0);
+the first pass of block j > 0 runs [block j-1, block j] from the state before block j-1 and keeps the
+state after it. Every pass over block j therefore sees exactly what the cache-free pass over the whole
+canvas sees (the committed blocks through the state, block j itself), so the cache is exact, and a
+refinement pass costs one block in the Gated DeltaNet layers whatever the context length.
 """
 
 from __future__ import annotations
@@ -63,10 +71,12 @@ class ModelForward:
     mesh: MeshRules | None = None
 
     def __call__(self, weights: Any, tokens: Array, positions: Array, mask: Array, cache: Any,
-                 cache_offset: Array, logits_start: Array | int, logits_len: int) -> tuple[Array, Any]:
+                 cache_offset: Array, logits_start: Array | int, logits_len: int, *, valid: Array | None = None,
+                 blocks: Array | None = None, commit: Array | int | None = None) -> tuple[Array, Any]:
+        """valid / blocks / commit: for Gated DeltaNet layers (hybrid configs), see `transformer.forward`."""
         out = transformer.forward(weights, self.cfg, tokens, positions, mask, cache, cache_offset,
                                   logits_start=logits_start, logits_len=logits_len, dispatch=self.dispatch,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, valid=valid, blocks=blocks, commit=commit)
         return out.logits, out.cache
 
     def init_cache(self, rows: int, length: int) -> transformer.KVCache:
@@ -194,13 +204,17 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
             return cv
         return jnp.concatenate([cv, jnp.where(is_prompt, mask_id, cv)], axis=0)  # unconditional: prompt masked
 
-    def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int) -> tuple[Array, Any]:
+    def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int,
+             commit: Array | int | None = None) -> tuple[Array, Any]:
         toks = _dslice(model_rows(cv), lo, width)
         qv, qi = _dslice(valid_r, lo, width), _dslice(ids_r, lo, width)
         kv, ki = (valid_r, ids_r) if cache is not None else (qv, qi)
         mask = masks.attention_mask(qv, qi, kv, ki, cfg.is_block_causal)
+        # Gated DeltaNet layers also need the window's valid columns, its block ids and how many of its
+        # columns are final (their state is written back only that far).
+        linear = dict(valid=qv, blocks=qi, commit=commit) if cfg.is_hybrid else {}
         logits, cache = forward_fn(weights, toks, _dslice(pos_r, lo, width), mask, cache,
-                                   jnp.asarray(lo, jnp.int32), logits_start, bl)
+                                   jnp.asarray(lo, jnp.int32), logits_start, bl, **linear)
         logits = logits.astype(jnp.float32)
         if spec.guidance:
             logits = guide(logits[:b], logits[b:], knobs.cfg_scale)
@@ -245,13 +259,19 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     def first_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
         if bidir:  # refresh the whole cache from the current canvas, score block j from the same pass
             return call(cv, cache, 0, t, lo)
+        if cfg.is_hybrid:
+            # The Gated DeltaNet state must advance over block j-1 exactly once: block 0 has nothing to
+            # commit (the prefill did the prompt); block j > 0 runs [block j-1, block j] from the state
+            # before block j-1 and keeps the state after block j-1 (commit = L).
+            return jax.lax.cond(lo == p, later_forward,
+                                lambda c, k, x: call(c, k, x - bl, 2 * bl, bl, commit=bl), cv, cache, lo)
         # block-causal: re-encode block j-1 (now final) into the cache and score block j in one pass
         return call(cv, cache, lo - bl, 2 * bl, bl)
 
     def later_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
         if bidir and mode == "prefix":
             return call(cv, cache, lo, g, 0)  # [block j .. end], fixed width G
-        return call(cv, cache, lo, bl, 0)
+        return call(cv, cache, lo, bl, 0, commit=0)  # block j is not final: the Gated DeltaNet state stays
 
     def step(st: _State) -> _State:
         lo = p + st.block * bl

@@ -8,7 +8,9 @@ the negative log-likelihood per token.
 Block diffusion (block-causal configs): every block draws its own t; the noisy sequence and the clean
 one run side by side in one pass of 2L positions so that each noisy block sees exactly the context
 it will have at inference: the committed, clean blocks before it (`model.masks.block_diffusion_mask`).
-Both halves use the same positions. Logits are computed for the noisy half only.
+Both halves use the same positions. Logits are computed for the noisy half only. Gated DeltaNet layers
+(hybrid configs) read the two halves as two streams: each noisy block starts from the recurrent state
+and conv inputs of the clean blocks before it (`gated_deltanet.mixer`, two_stream).
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array
     if cfg.is_block_causal:
         return forward(weights, cfg, jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1),
                        masks.block_diffusion_mask(valid, blk), logits_len=seq, dispatch=dispatch, remat=remat,
-                       mesh=mesh)
-    return forward(weights, cfg, noisy, pos, masks.full_mask(cfg, valid), dispatch=dispatch, remat=remat, mesh=mesh)
+                       mesh=mesh, valid=jnp.concatenate([valid, valid], axis=1),
+                       blocks=jnp.concatenate([blk, blk], axis=1), two_stream=True)
+    return forward(weights, cfg, noisy, pos, masks.full_mask(cfg, valid), dispatch=dispatch, remat=remat, mesh=mesh,
+                   valid=valid)
 
 
 def diffusion_terms(

@@ -28,7 +28,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from clover_jax.config import ModelConfig
-from clover_jax.errors import ConfigError
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params
 from clover_jax.training import losses
@@ -309,9 +308,6 @@ def train(
     mesh: train data-parallel / sharded on this mesh (weights in `params.weight_shardings` of it).
     stop_at: stop (and checkpoint) after this global step, as an interruption would.
     """
-    if cfg.is_hybrid:
-        raise ConfigError(f"config {cfg.name!r} has Gated DeltaNet layers: training them with the masked-diffusion "
-                          "objective needs the in-block bidirectional Gated DeltaNet, not implemented yet")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     tx = make_optimizer(cfg, tc)
     w_sh = batch_sh = None
