@@ -53,7 +53,7 @@ def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16, fused: 
     for g in FAMILIES[layout].groups(cfg, fused_experts=fused, **variants):
         for k, s in zip(g.hf, g.hf_shapes, strict=True):
             dt = np.dtype(cfg.dtype) if g.kind == "matmul" else small_dtype
-            out[k] = (rng.standard_normal(s, np.float32) * 0.1).astype(dt)
+            out[k] = np.asarray(rng.standard_normal(s, np.float32) * 0.1).astype(dt)
     return out
 
 
@@ -340,7 +340,7 @@ def test_qwen3_5_config_fields_are_honoured_or_refused_by_name(tmp_path):
     with pytest.raises(ConversionError, match=r"multimodal Qwen3.5 wrapper"):
         family.config_from_hf({"model_type": "qwen3_5_moe", "text_config": hf}, cfg.name, cfg.dtype, None)
     # the other families refuse the hybrid model instead of dropping its Gated DeltaNet layers
-    for name in ("clover", "llada2_moe", "llada_moe", "qwen3_moe"):
+    for name in ("llada2_moe", "llada_moe", "qwen3_moe"):
         with pytest.raises(ConversionError, match="no Gated DeltaNet layers"):
             FAMILIES[name].config_to_hf(cfg)
 
@@ -372,3 +372,62 @@ def test_qwen3_5_key_prefix_and_qwen3_next_fused_projections(tmp_path):
     _, w2 = checkpoint.load_model(str(tmp_path / "native2"))
     for name, a in checkpoint.flatten_weights(w2).items():
         np.testing.assert_array_equal(np.asarray(a), flat[name], err_msg=name)
+
+
+@pytest.mark.parametrize(("prefix", "shapes"), [
+    ("model.", {}),  # conv_right [C, 1, Kr], one scalar per value head
+    ("", {"conv_right_weight": [96, 3], "bd_softmax_logit_scale": [2], "bd_softmax_history_bias": [1],
+          "bd_softmax_history_c": []}),  # no prefix; [C, Kr]; per key head, one value, a 0-d scalar
+    ("language_model.", {"bd_softmax_history_c": [4]}),
+])
+def test_clover_moe_hybrid_layout_converts_runs_and_exports_bit_exact(tmp_path, prefix, shapes):
+    """The clover_moe layout: qwen3_5_moe keys plus the four block-diffusion tensors per Gated DeltaNet layer,
+    with the hub's config fields; the extra tensors' shapes come from the checkpoint."""
+    cfg = get_config("test-clover-hybrid", dtype="bfloat16")
+    family = FAMILIES["clover"]
+    variants = {"prefix": prefix, "bd_shapes": shapes}
+    tensors = synthetic_tensors(cfg, "clover", seed=4, small_dtype=np.dtype(np.float32), **variants)
+    la = f"{prefix}layers.0.linear_attn"
+    assert {f"{la}.conv_right_weight", f"{la}.bd_softmax_logit_scale", f"{la}.bd_softmax_history_bias",
+            f"{la}.bd_softmax_history_c"} <= set(tensors)
+    assert tensors[f"{la}.conv_right_weight"].shape == tuple(shapes.get("conv_right_weight", (96, 1, 3)))
+    hf_cfg = family.config_to_hf(cfg)
+    assert (hf_cfg["model_type"], hf_cfg["architectures"], hf_cfg["block_size"]) == ("clover_moe",
+                                                                                     ["CloverMoeModelLM"], 8)
+    hf_cfg.pop("block_size")
+    hf_cfg["block_length"] = 8  # the hub's name for the block field is not known: read under either name
+    write_hf(tmp_path / "hf", tensors, hf_cfg)
+    convert(str(tmp_path / "hf"), str(tmp_path / "native"), progress=False)
+    cfg2, w = checkpoint.load_model(str(tmp_path / "native"))
+    assert (cfg2.family, cfg2.block_size, cfg2.bd_gdn, cfg2.bd_conv_right_kernel) == ("clover", 8, "reconstructed", 3)
+    assert cfg2.mask_token_id == cfg.mask_token_id and cfg2.layer_types == cfg.layer_types
+    right = np.asarray(w.linear_layers.attn.conv_right[0], np.float32)  # [Kr, C]
+    src = tensors[f"{la}.conv_right_weight"].astype(np.float32)
+    np.testing.assert_array_equal(right, (src[:, 0, :] if src.ndim == 3 else src).T)
+    scale = np.asarray(w.linear_layers.attn.bd_logit_scale[0])  # one per value head, repeated over groups
+    src_scale = tensors[f"{la}.bd_softmax_logit_scale"].reshape(-1)
+    np.testing.assert_array_equal(scale, np.repeat(src_scale, 4 // src_scale.size))
+    logits = model.apply(w, cfg2, np.arange(12, dtype=np.int32)[None] + 5)
+    assert logits.shape == (1, 12, cfg.vocab_size) and bool(np.isfinite(np.asarray(logits)).all())
+
+    convert(str(tmp_path / "native"), str(tmp_path / "back"), progress=False)
+    back = read_dir(tmp_path / "back")
+    assert sorted(back) == sorted(tensors)
+    for k, a in tensors.items():
+        assert back[k].dtype == a.dtype and back[k].shape == a.shape, k
+        np.testing.assert_array_equal(back[k].reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), err_msg=k)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == hf_cfg
+
+
+def test_clover_moe_unexpected_tensor_and_missing_block_size_are_named(tmp_path):
+    cfg = get_config("test-clover-hybrid", dtype="bfloat16")
+    family = FAMILIES["clover"]
+    tensors = synthetic_tensors(cfg, "clover", seed=5)
+    tensors["model.layers.0.linear_attn.bd_softmax_mystery"] = np.zeros((4,), BF16)
+    write_hf(tmp_path / "extra", tensors, family.config_to_hf(cfg))
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.linear_attn\.bd_softmax_mystery"):
+        convert(str(tmp_path / "extra"), str(tmp_path / "out1"), progress=False)
+    no_block = {k: v for k, v in family.config_to_hf(cfg).items() if k != "block_size"}
+    with pytest.raises(ConversionError, match="names no block size"):
+        family.config_from_hf(no_block, cfg.name, cfg.dtype, None)
+    assert not os.path.exists(tmp_path / "out1")

@@ -121,6 +121,17 @@ def depthwise_conv(hf_key: str, slot: Slot, kernel: int, channels: int) -> Group
                  to_hf=lambda a: [np.ascontiguousarray(a[0].T[:, None, :])])
 
 
+def per_head(hf_key: str, slot: Slot, shape: tuple[int, ...], heads: int) -> Group:
+    """A per-head float32 vector stored in the source as `shape` (one value, or one per group of heads) <->
+    native [heads]: each value repeated over its group of consecutive heads on import, every group's first
+    taken on export, so a round trip is exact."""
+    n = _prod(shape)
+    rep = heads // n
+    return Group(hf=(hf_key,), hf_shapes=(shape,), native=(slot,), kind="float32",
+                 to_native=lambda a: [np.repeat(np.asarray(a[0]).reshape(n), rep)],
+                 to_hf=lambda a: [np.ascontiguousarray(np.asarray(a[0])[::rep]).reshape(shape)])
+
+
 def gated_query(hf_key: str, slots: tuple[Slot, Slot], d: int, h: int, hd: int) -> Group:
     """Qwen3.5's `q_proj` [H * 2 * hd, D]: each head's rows are its query, then its output gate
     <-> native q and gate, each [D, H, hd]."""

@@ -182,7 +182,9 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
     source = hf_io.open_source(src, allow_pickle)
     try:
         name = os.path.basename(os.path.normpath(src))
-        probe = mod.config_from_hf(hf, name, "float32", mask_token_id)
+        # Families whose config also depends on the tensors (clover: the block-diffusion tensors' shapes).
+        extra = mod.tensor_fields(hf, source.tensors) if hasattr(mod, "tensor_fields") else {}
+        probe = mod.config_from_hf(hf, name, "float32", mask_token_id).replace(**extra)
         variants = mod.source_variants(source.tensors)
         embed_key = next(g.hf[0] for g in mod.groups(probe, **variants) if g.native == (("embed", None),))
         if embed_key not in source.tensors:
@@ -191,7 +193,7 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
         dtype = source.tensors[embed_key].dtype
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConversionError(f"the embedding {embed_key} has dtype {dtype}; expected a float type")
-        cfg = mod.config_from_hf(hf, name, dtype, mask_token_id)
+        cfg = mod.config_from_hf(hf, name, dtype, mask_token_id).replace(**extra)
         groups = mod.groups(cfg, **variants)
         dtypes = _check_tensors(cfg, groups, source)
 
@@ -232,7 +234,7 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
             return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
         leaves = {n: lazy(n, s) for n, s in specs.items()}
-        record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf}
+        record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf, "tensor_fields": extra}
         try:
             out = checkpoint.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
                                    extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
@@ -266,7 +268,8 @@ def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes:
     source_cfg = record.get("config") if recorded == name else None
     if source_cfg is not None:
         # Unchanged config: write the original file back verbatim; else update it with the new values.
-        same = mod.config_from_hf(source_cfg, cfg.name, cfg.dtype, cfg.mask_token_id) == cfg
+        same = mod.config_from_hf(source_cfg, cfg.name, cfg.dtype, cfg.mask_token_id).replace(
+            **record.get("tensor_fields", {})) == cfg
         hf_cfg = source_cfg if same else {**source_cfg, **hf_cfg}
     # The keys the import read (fused experts, a key prefix, ...); "fused_experts" alone: records before 0.2.
     variants = record.get("variants", {"fused_experts": bool(record.get("fused_experts"))})

@@ -64,20 +64,21 @@ def _layer_types(hf: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
-    """The native config of the HF text config `hf`, in `dtype`, with `mask_token_id` (default the last id);
-    ConversionError naming any field this converter does not understand or cannot honour."""
+def text_fields(hf: dict[str, Any], family: str, honoured: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The native config fields of a Qwen3.5 text config.json `hf` (everything but attention mode, block size,
+    name and dtype); `honoured`: further fields the calling family reads itself. ConversionError naming any
+    field not understood or not honoured."""
     if "text_config" in hf:
         raise ConversionError("config.json is the multimodal Qwen3.5 wrapper (text_config + vision_config); "
                               "only the text model (Qwen3_5MoeForCausalLM) converts")
-    unknown = sorted(set(hf) - HONOURED - METADATA)
+    unknown = sorted(set(hf) - HONOURED - METADATA - honoured)
     if unknown:
-        raise ConversionError(f"config.json ({NAME}) has fields this converter does not understand: "
+        raise ConversionError(f"config.json ({family}) has fields this converter does not understand: "
                               f"{', '.join(unknown)}")
-    f = common.common_from_hf(hf, NAME)
+    f = common.common_from_hf(hf, family)
     for key in ("n_experts", "n_experts_per_tok", "expert_mlp_dim"):
         if key not in f:
-            common.need(hf, common.COMMON_FIELDS[key], NAME)
+            common.need(hf, common.COMMON_FIELDS[key], family)
     rp = hf.get("rope_parameters") or {}
     common.refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
     common.refuse(bool(hf.get("attention_bias")), "attention_bias=true")
@@ -92,36 +93,42 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
     f.update(
         layer_types=_layer_types(hf, f["n_layers"]),
-        linear_num_key_heads=common.need(hf, "linear_num_key_heads", NAME),
-        linear_num_value_heads=common.need(hf, "linear_num_value_heads", NAME),
-        linear_key_head_dim=common.need(hf, "linear_key_head_dim", NAME),
-        linear_value_head_dim=common.need(hf, "linear_value_head_dim", NAME),
+        linear_num_key_heads=common.need(hf, "linear_num_key_heads", family),
+        linear_num_value_heads=common.need(hf, "linear_num_value_heads", family),
+        linear_key_head_dim=common.need(hf, "linear_key_head_dim", family),
+        linear_value_head_dim=common.need(hf, "linear_value_head_dim", family),
         linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
         n_shared_experts=1 if shared else 0, shared_mlp_dim=shared, shared_expert_gate=bool(shared),
-        router="softmax", norm_topk_prob=True, attention="block_causal", block_size=1, qk_norm=True,
+        router="softmax", norm_topk_prob=True, qk_norm=True,
         attn_output_gate=True, norm_unit_offset=True, rope_theta=common.rope_theta(hf),
         partial_rotary_factor=float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
-        dtype=dtype,
     )
     f.setdefault("norm_eps", 1e-6)
+    return f
+
+
+def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
+    """The native config of the HF text config `hf`, in `dtype`, with `mask_token_id` (default the last id);
+    ConversionError naming any field this converter does not understand or cannot honour."""
+    f = text_fields(hf, NAME)
+    f.update(attention="block_causal", block_size=1, dtype=dtype)
     if mask_token_id is not None:
         f["mask_token_id"] = mask_token_id
     return common.make_config(name, NAME, f)
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF text config.json dict of `cfg`; ConversionError if `cfg` uses what Qwen3.5 cannot express."""
-    common.refuse(not cfg.norm_unit_offset, "qwen3_5_moe norms scale by (1 + w)")
-    common.refuse(not cfg.attn_output_gate, "qwen3_5_moe attention has an output gate")
-    common.refuse(cfg.n_shared_experts > 0 and not cfg.shared_expert_gate, "qwen3_5_moe gates its shared expert")
+def text_config_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
+    """The Qwen3.5 text fields of `cfg` (no model_type / architectures); ConversionError if `cfg` uses what
+    the Qwen3.5 backbone cannot express."""
+    common.refuse(not cfg.norm_unit_offset, f"{family} norms scale by (1 + w)")
+    common.refuse(not cfg.attn_output_gate, f"{family} attention has an output gate")
+    common.refuse(cfg.n_shared_experts > 0 and not cfg.shared_expert_gate, f"{family} gates its shared expert")
     common.refuse(cfg.router != "softmax" or cfg.use_expert_bias or not cfg.norm_topk_prob,
-                  "qwen3_5_moe routes with a renormalised softmax top-k")
-    common.refuse(cfg.n_dense_layers > 0, "qwen3_5_moe has no dense layers")
-    common.refuse(not (cfg.is_block_causal and cfg.block_size == 1), "qwen3_5_moe attention is causal")
+                  f"{family} routes with a renormalised softmax top-k")
+    common.refuse(cfg.n_dense_layers > 0, f"{family} has no dense layers")
     out = common.common_to_hf(cfg)
     out.pop("rope_theta")
     out.update(
-        model_type="qwen3_5_moe_text", architectures=list(ARCHITECTURES),
         rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "default",
                          "partial_rotary_factor": cfg.partial_rotary_factor},
         layer_types=list(cfg.layer_types or (FULL_ATTENTION,) * cfg.n_layers),
@@ -130,6 +137,15 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, shared_expert_intermediate_size=cfg.shared_mlp_dim,
         norm_topk_prob=True, attention_dropout=0.0,
     )
+    return out
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF text config.json dict of `cfg`; ConversionError if `cfg` uses what Qwen3.5 cannot express."""
+    common.refuse(not (cfg.is_block_causal and cfg.block_size == 1), "qwen3_5_moe attention is causal")
+    common.refuse(cfg.has_bd_weights, "qwen3_5_moe has no block-diffusion Gated DeltaNet tensors (export as clover)")
+    out = text_config_to_hf(cfg, NAME)
+    out.update(model_type="qwen3_5_moe_text", architectures=list(ARCHITECTURES))
     return out
 
 
@@ -155,14 +171,25 @@ def groups(cfg: ModelConfig, fused_experts: bool = False, fused_linear: bool = F
     PREFIXES for the model's keys."""
     if prefix not in PREFIXES:
         raise ConversionError(f"unknown key prefix {prefix!r}; known: {PREFIXES}")
+    return backbone_groups(cfg, fused_experts, fused_linear, prefix)
+
+
+def layer_prefix(prefix: str, layer: int) -> str:
+    """The key prefix of decoder layer `layer` under the model prefix `prefix`."""
+    return f"{prefix}layers.{layer}"
+
+
+def backbone_groups(cfg: ModelConfig, fused_experts: bool, fused_linear: bool, prefix: str) -> list[mapping.Group]:
+    """`groups` for any model prefix (the lm_head sits at the top level unless the prefix starts with
+    `language_model.`)."""
     d, h, hd = cfg.d_model, cfg.n_heads, cfg.head_dim
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    head = "lm_head.weight" if prefix in PREFIXES[:2] else "language_model.lm_head.weight"
+    head = "language_model.lm_head.weight" if prefix.startswith("language_model.") else "lm_head.weight"
     g = mapping.ends(cfg, f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", head)
     for layer in range(cfg.n_layers):
         stack, i = _stack(cfg, layer)
-        p = f"{prefix}layers.{layer}"
+        p = layer_prefix(prefix, layer)
         g += [mapping.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (d,)),
               mapping.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (d,))]
         if stack == "linear_layers":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import sys
@@ -336,7 +337,7 @@ def train(
         restored = _restore(mngr, state)
         if restored is not None:
             state, meta = restored
-            if meta.get("model_config") != cfg.to_dict():
+            if meta.get("model_config") != json.loads(json.dumps(cfg.to_dict())):  # as JSON stores it (lists)
                 raise ValueError(f"checkpoint in {ckpt_dir} was written for a different model config")
             if meta.get("data_position") != int(state.step):
                 raise ValueError(f"checkpoint data position {meta.get('data_position')} != step {int(state.step)}")
