@@ -291,6 +291,10 @@ def _restore(mngr: ocp.CheckpointManager, state: TrainState) -> tuple[TrainState
     return jax.tree.unflatten(jax.tree.structure(state), leaves), dict(got.meta)
 
 
+def _unnamed(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if d is None else {k: v for k, v in d.items() if k != "name"}
+
+
 def train(
     cfg: ModelConfig,
     tc: TrainConfig,
@@ -337,7 +341,8 @@ def train(
         restored = _restore(mngr, state)
         if restored is not None:
             state, meta = restored
-            if meta.get("model_config") != json.loads(json.dumps(cfg.to_dict())):  # as JSON stores it (lists)
+            # The same model under another name resumes; compared as JSON stores it (lists, not tuples).
+            if _unnamed(meta.get("model_config")) != _unnamed(json.loads(json.dumps(cfg.to_dict()))):
                 raise ValueError(f"checkpoint in {ckpt_dir} was written for a different model config")
             if meta.get("data_position") != int(state.step):
                 raise ValueError(f"checkpoint data position {meta.get('data_position')} != step {int(state.step)}")
