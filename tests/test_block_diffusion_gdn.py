@@ -23,7 +23,8 @@ apply = jax.jit(transformer.apply, static_argnums=1)
 def _noisy(tree, key, scale):
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([a + scale * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)])
+    return treedef.unflatten([a + scale * jax.random.normal(k, a.shape, a.dtype)
+                              for a, k in zip(leaves, keys, strict=True)])
 
 
 def _mixer_weights(seed: int = 0) -> gdn.GatedDeltaNetWeights:

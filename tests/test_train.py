@@ -50,7 +50,8 @@ def test_hybrid_trains_and_resumes_under_another_name(tmp_path) -> None:
     losses_ = first.losses + rest.losses
     assert np.mean(losses_[-3:]) < 0.6 * np.mean(losses_[:3]), losses_
     with pytest.raises(ValueError, match="different model config"):
-        train(cfg.replace(bd_gdn="none"), dataclasses.replace(tc, steps=25), data, ckpt_dir=str(tmp_path / "run"), progress=False)
+        train(cfg.replace(bd_gdn="none"), dataclasses.replace(tc, steps=25), data, ckpt_dir=str(tmp_path / "run"),
+              progress=False)
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path) -> None:
