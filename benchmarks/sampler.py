@@ -9,9 +9,16 @@ kind the mode runs (whole canvas for `none`; one block against a cache for block
 `dual`; for bidirectional caches a full refresh per block plus block- or suffix-wide passes), each
 a separate jitted call; `loop/fori`: the same, with the bare passes run inside a lax.fori_loop (so
 it isolates the sampler's own work from what XLA does differently to code inside loops).
-Then, for the same weights run as a bidirectional model, the agreement (% identical tokens) of the
-approximate `prefix` / `dual` caches with the uncached run. Timings are the best of `--runs` warm
-runs; nothing is asserted.
+Then, for the same weights run as a bidirectional model (not for hybrids, which the sampler runs
+block-causally only), the agreement (% identical tokens) of the approximate `prefix` / `dual` caches
+with the uncached run. Timings are the best of `--runs` warm runs; nothing is asserted.
+
+    python benchmarks/sampler.py --context              # hybrid vs all-attention over long prompts
+
+`--context`: the hybrid clover-tiny-hybrid and the all-attention clover-tiny (equal width, depth and
+experts; random weights, max_seq_len raised) with cache=prefix at prompts of 256, 2,048 and 16,384
+tokens (`--lengths`): tokens/s of a whole generate call (prefill included), the prompt prefill alone,
+one cached refinement pass over a block (ms), and the cache bytes per sequence.
 """
 
 from __future__ import annotations
@@ -35,7 +42,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--entropy-bound", type=float, default=1.0)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-bidirectional", action="store_true", help="skip the approximate-cache agreement")
+    p.add_argument("--context", action="store_true", help="hybrid vs all-attention at long prompts instead")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 2048, 16384], help="prompt lengths of --context")
     return p.parse_args(argv)
+
+
+def context_row(cfg, weights, p: int, g: int, bl: int, runs: int) -> tuple[float, float, float]:
+    """(tokens/s of a generate call, prefill seconds, seconds of one cached refinement pass) at prompt p."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from clover_jax.model import masks
+    from clover_jax.sampler import ModelForward, SamplerConfig, generate
+
+    prompt = np.random.default_rng(p).integers(4, cfg.vocab_size, p).tolist()
+    sc = SamplerConfig(gen_length=g, block_length=bl, steps=g, cache="prefix", eos_stop=False)
+    generate(weights, cfg, [prompt], sc)  # compile
+    total, _ = best_of(runs, lambda: generate(weights, cfg, [prompt], sc))
+    fwd = ModelForward(cfg)
+    t = p + g
+    toks = jnp.asarray(prompt + [cfg.mask_token_id] * g, jnp.int32)[None]
+    valid = jnp.ones((1, t), bool)
+    pos = masks.positions(valid)
+    ids = masks.canvas_block_ids(pos, p, bl, cfg.block_size)
+
+    def run(w, cache, lo: int, width: int, commit):
+        q = slice(lo, lo + width)
+        mask = masks.attention_mask(valid[:, q], ids[:, q], valid, ids, cfg.is_block_causal)
+        return fwd(w, toks[:, q], pos[:, q], mask, cache, jnp.int32(lo), 0, bl, valid=valid[:, q], blocks=ids[:, q],
+                   commit=commit)
+
+    prefill = jax.jit(lambda w, c: run(w, c, 0, p, None))
+    refine = jax.jit(lambda w, c: run(w, c, p, bl, 0))
+    empty = fwd.init_cache(1, t)
+    jax.block_until_ready(prefill(weights, empty))
+    pre_s, (_, cache) = best_of(runs, lambda: jax.block_until_ready(prefill(weights, empty)))
+    jax.block_until_ready(refine(weights, cache))
+    pass_s, _ = best_of(max(runs, 3), lambda: jax.block_until_ready(refine(weights, cache)))
+    return g / total, pre_s, pass_s
+
+
+def context_figures(args: argparse.Namespace) -> int:
+    """The --context table (see the module docstring)."""
+    import jax
+
+    from clover_jax.config import get_config
+    from clover_jax.model import params
+    from clover_jax.plan.arithmetic import cache_bytes
+
+    g, bl = args.gen_length, args.block_length
+    print(f"backend {jax.default_backend()} x{jax.device_count()}; gen {g} tokens in blocks of {bl}, one token a "
+          f"pass, cache=prefix, batch 1, best of {args.runs}")
+    print(f"{'model':42} {'prompt':>7} {'tok/s':>7} {'prefill s':>10} {'ms/pass':>8} {'cache MB/seq':>13}")
+    for name in ("clover-tiny-hybrid", "clover-tiny"):
+        cfg = get_config(name, max_seq_len=max(args.lengths) + g)
+        weights = params.init(cfg, jax.random.key(0))
+        label = f"{name} ({'3 GDN + 1 attention' if cfg.is_hybrid else '4 attention layers'})"
+        for p in args.lengths:
+            tps, pre_s, pass_s = context_row(cfg, weights, p, g, bl, args.runs)
+            mb = cache_bytes(cfg, 1, p + g) / 1e6
+            print(f"{label:42} {p:7d} {tps:7.1f} {pre_s:10.2f} {pass_s * 1e3:8.1f} {mb:13.2f}", flush=True)
+    return 0
 
 
 def best_of(n: int, fn) -> tuple[float, object]:
@@ -91,6 +159,8 @@ def bare_forward_times(cfg, weights, batch: int, p: int, g: int, bl: int, runs: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.context:
+        return context_figures(args)
     import jax
 
     from clover_jax.commands.generate import default_model
@@ -152,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.is_block_causal:
         print("(block-causal: prefix and dual are one program and exact; NFE includes the prompt prefill)")
 
-    if not args.no_bidirectional:
+    if not args.no_bidirectional and not cfg.is_hybrid:
         bcfg = cfg.replace(attention="bidirectional")
         print(f"\nthe same weights run bidirectionally ({bcfg.name}, attention=bidirectional): "
               "agreement with cache=none")

@@ -164,6 +164,10 @@ def test_commit_keeps_the_state_after_the_committed_columns():
     np.testing.assert_allclose(y1, y_all[:, 8:], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(untouched.recurrent, after_first.recurrent)
     np.testing.assert_array_equal(untouched.conv_tail, after_first.conv_tail)
+    # commit=0 as a Python int (the sampler's refinement passes) reads the state without a scan: same result
+    y1_fast, kept_fast = gdn.mixer(x[:, 8:], w, CFG, state=after_first, blocks=blocks[:, 8:], commit=0)
+    np.testing.assert_allclose(y1_fast, y1, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(kept_fast.recurrent, after_first.recurrent)
 
 
 @pytest.mark.parametrize("bd", ["reconstructed", "none"])

@@ -359,6 +359,11 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
     return o.reshape(b, n * span, hv, dv)[:, :t]
 
 
+def initial_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(value heads, dk, dv): the per-row shape of the delta-rule state."""
+    return cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+
 def _heads(mixed: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None) -> Stream:
     """q, k (L2-normalised), v, g, beta of the conv output `mixed` (before SiLU) and the layer input x."""
     b, t, _ = x.shape
@@ -398,7 +403,9 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     the recurrent state. The state still advances causally over every position, for the blocks after.
     blocks [B, T]: block ids of the window's columns (needed in block-diffusion mode; a window always starts
     at a block boundary). commit: the state (and conv tail) returned is that after the first `commit` columns
-    (None: all). two_stream: x is [B, 2L, D], the noisy sequence then the clean one (block-diffusion
+    (None: all). In block-diffusion mode commit=0 (a Python int) is a refinement pass: no column of the
+    window is final, so every position's history is the given state (the window is one block).
+    two_stream: x is [B, 2L, D], the noisy sequence then the clean one (block-diffusion
     training); blocks and valid likewise (their halves are equal); each noisy block reads the clean prefix.
     """
     bd = cfg.is_bd_gdn
@@ -421,6 +428,12 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     if not bd and commit is None:
         rule = delta_rule_chunked if x.shape[1] > RECURRENT_MAX else delta_rule_recurrent
         o, recurrent = rule(st.q, st.k, st.v, st.g, st.beta, initial)
+    elif bd and isinstance(commit, int) and commit == 0:
+        # A refinement pass: nothing in the window is final, so every position's history is the state the
+        # committed prefix left, and the state stays. No scan.
+        recurrent = _zero_state(x.shape[0], *initial_shape(cfg)) if initial is None else initial.astype(jnp.float32)
+        q, _ = _group_keys(st.q, st.k, cfg.linear_num_value_heads)
+        o = jnp.einsum("bthk,bhkv->bthv", q.astype(jnp.float32) * cfg.linear_key_head_dim**-0.5, recurrent)
     else:
         o, _, recurrent = delta_rule_blocks(st, blocks, valid, initial, commit, history=bd)
     if bd:
