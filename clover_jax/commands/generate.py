@@ -24,7 +24,7 @@ import jax
 from clover_jax import shipped
 from clover_jax.checkpoint import load_checkpoint_config, load_model
 from clover_jax.commands import jobs
-from clover_jax.config import ModelConfig, get_config, preset_names
+from clover_jax.config import BD_GDN_MODES, ModelConfig, get_config, preset_names
 from clover_jax.errors import CloverError, SamplerError, UsageError
 from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
@@ -74,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "otherwise; prefix/dual are approximations for bidirectional models")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating after EOS")
+    p.add_argument("--bd-gdn", choices=BD_GDN_MODES, default=None,
+                   help="how Gated DeltaNet layers use Clover's block-diffusion tensors: 'reconstructed' (this "
+                        "project's reading) or 'none' (the plain causal Gated DeltaNet, as llama.cpp runs it); "
+                        "default: the checkpoint's")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
     p.add_argument("--show", action="store_true", help="redraw the canvas on stderr as it fills in")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt as is")
@@ -218,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
     check_settings(sc)  # the knobs, before reading or loading anything
     todo_jobs = jobs.read_jobs(args.input) if args.input else [(0, args.prompt)]
     cfg, weights, tok, mesh = load(model, args.mesh)
+    if args.bd_gdn is not None and args.bd_gdn != cfg.bd_gdn:
+        if not cfg.has_bd_weights:
+            raise UsageError(f"--bd-gdn: {cfg.name} has no block-diffusion Gated DeltaNet tensors")
+        cfg = cfg.replace(bd_gdn=args.bd_gdn)
     chat = not args.no_chat_template
     done = jobs.finished_ids(args.output) if args.output else set()
     todo = [(rid, text) for rid, text in todo_jobs if rid not in done]

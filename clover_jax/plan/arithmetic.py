@@ -103,11 +103,16 @@ def cache_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
 
 def linear_layer_flops(cfg: ModelConfig) -> float:
     """Matmul FLOPs per token of one Gated DeltaNet mixer: projections, conv, and the delta rule's state
-    reads and writes (about 6 dk dv per value head, the recurrent form's count)."""
+    reads and writes (about 6 dk dv per value head, the recurrent form's count); in block-diffusion mode
+    also the right conv and the in-block softmax."""
     d, c, vd, hv = cfg.d_model, cfg.linear_conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
     proj = 2 * d * (c + vd + 2 * hv) + 2 * vd * d
     rule = 6 * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-    return float(proj + 2 * cfg.linear_conv_kernel_dim * c + rule)
+    flops = proj + 2 * cfg.linear_conv_kernel_dim * c + rule
+    if cfg.is_bd_gdn:  # the right conv and the in-block softmax over a block (scores and values)
+        flops += 2 * cfg.bd_conv_right_kernel * c + 2 * hv * cfg.block_size * (cfg.linear_key_head_dim
+                                                                                 + cfg.linear_value_head_dim)
+    return float(flops)
 
 
 def analytic_flops(cfg: ModelConfig, p: PassShape) -> float:
