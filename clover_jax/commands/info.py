@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"mixers            {cfg.n_linear_layers} Gated DeltaNet ({cfg.linear_num_key_heads} key / "
               f"{cfg.linear_num_value_heads} value heads of {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}), "
               f"{cfg.n_attention_layers} full attention; {cfg.n_layers // len(cfg.layer_group)} groups of {group}")
+        if cfg.has_bd_weights:
+            print(f"block diffusion   bd_gdn {cfg.bd_gdn} (Clover's four tensors per Gated DeltaNet layer; right conv "
+                  f"of {cfg.bd_conv_right_kernel})")
     print(f"d_model / vocab   {cfg.d_model} / {cfg.vocab_size}")
     print(f"attention         {cfg.n_heads} q heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim}, "
           f"{cfg.attention}" + (f" (blocks of {cfg.block_size})" if cfg.is_block_causal else ""))

@@ -12,6 +12,16 @@ from clover_jax.model.params import count_params
 from clover_jax.training import EvalProtocol, TrainConfig, TrainResult
 
 
+def _mixers(cfg: ModelConfig) -> str:
+    group = cfg.layer_group
+    lin = group.count("linear_attention")
+    bd = (f"block diffusion `bd_gdn: {cfg.bd_gdn}`, right conv of {cfg.bd_conv_right_kernel}"
+          if cfg.has_bd_weights else "causal")
+    return (f"| sequence mixers | {cfg.n_layers // len(group)} x ({lin} Gated DeltaNet + {len(group) - lin} gated "
+            f"attention); Gated DeltaNet {cfg.linear_num_key_heads} key / {cfg.linear_num_value_heads} value heads x "
+            f"{cfg.linear_key_head_dim}, conv {cfg.linear_conv_kernel_dim}, {bd} |")
+
+
 def model_card(cfg: ModelConfig, tc: TrainConfig, data: str, holdout: float, res: TrainResult, final_eval: dict,
                proto: EvalProtocol, n_train_tokens: int, command: Sequence[str]) -> str:
     """The MODEL_CARD.md text of a trained model: its shape, data, training, eval figures and the
@@ -32,6 +42,7 @@ def model_card(cfg: ModelConfig, tc: TrainConfig, data: str, holdout: float, res
         f"| experts | {cfg.n_experts} routed (top-{cfg.n_experts_per_tok}, width {cfg.expert_mlp_dim}), "
         f"{cfg.n_shared_experts} shared (width {cfg.shared_mlp_dim}) |",
         f"| attention | {cfg.attention}, blocks of {cfg.block_size} |",
+        *([_mixers(cfg)] if cfg.is_hybrid else []),
         f"| vocabulary | {cfg.vocab_size} (SentencePiece; pad 0, bos 1, eos 2, mask {cfg.mask_token_id}) |",
         f"| data | `{data}` minus its last {holdout:.0%} (held out for eval); "
         f"{n_train_tokens:,} training tokens |",
