@@ -252,9 +252,11 @@ def test_bad_input_fails_before_compiling(change, prompts, msg):
     assert compile_count() == before
 
 
-def test_hybrid_models_are_refused_before_compiling():
-    cfg = get_config("test-qwen3-5-moe")
+def test_impossible_hybrid_settings_are_refused_before_compiling():
     before = compile_count()
-    with pytest.raises(SamplerError, match="Gated DeltaNet"):
-        generate(None, cfg, [[5, 6, 7]], SamplerConfig(gen_length=8, block_length=8))
+    with pytest.raises(SamplerError, match="bidirectional attention"):  # hybrids run block-causally only
+        generate(None, get_config("test-clover-hybrid").replace(bd_gdn="none", attention="bidirectional"),
+                 [[5, 6, 7]], SamplerConfig(gen_length=8, block_length=8))
+    with pytest.raises(SamplerError, match="longer than the model's blocks"):  # block-diffusion GDN: <= 8
+        generate(None, get_config("test-clover-hybrid"), [[5, 6, 7]], SamplerConfig(gen_length=16, block_length=16))
     assert compile_count() == before
