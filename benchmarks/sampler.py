@@ -15,7 +15,7 @@ with the uncached run. Timings are the best of `--runs` warm runs; nothing is as
 
     python benchmarks/sampler.py --context              # hybrid vs all-attention over long prompts
 
-`--context`: the hybrid clover-tiny-hybrid and the all-attention clover-tiny (equal width, depth and
+`--context`: the hybrid hybrid clover-tiny and the all-attention clover-tiny-attention (equal width, depth and
 experts; random weights, max_seq_len raised) with cache=prefix at prompts of 256, 2,048 and 16,384
 tokens (`--lengths`): tokens/s of a whole generate call (prefill included), the prompt prefill alone,
 one cached refinement pass over a block (ms), and the cache bytes per sequence.
@@ -95,7 +95,7 @@ def context_figures(args: argparse.Namespace) -> int:
     print(f"backend {jax.default_backend()} x{jax.device_count()}; gen {g} tokens in blocks of {bl}, one token a "
           f"pass, cache=prefix, batch 1, best of {args.runs}")
     print(f"{'model':42} {'prompt':>7} {'tok/s':>7} {'prefill s':>10} {'ms/pass':>8} {'cache MB/seq':>13}")
-    for name in ("clover-tiny-hybrid", "clover-tiny"):
+    for name in ("clover-tiny", "clover-tiny-attention"):
         cfg = get_config(name, max_seq_len=max(args.lengths) + g)
         weights = params.init(cfg, jax.random.key(0))
         label = f"{name} ({'3 GDN + 1 attention' if cfg.is_hybrid else '4 attention layers'})"

@@ -125,7 +125,7 @@ def test_presets_build_abstract_weights(name: str) -> None:
 
 
 def test_clover_presets_are_block_causal_with_blocks_of_32() -> None:
-    for name in ("clover-35b-a3b", "clover-tiny", "clover-tiny-hybrid"):
+    for name in ("clover-35b-a3b", "clover-tiny", "clover-tiny-attention"):
         cfg = get_config(name)
         assert cfg.attention == "block_causal" and cfg.block_size == 32
 
