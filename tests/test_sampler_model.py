@@ -64,8 +64,8 @@ def test_kv_cache_is_exact_for_block_causal_models(block_causal):
     ref = generate(w, cfg, PROMPTS, SC, record_logits=True)
     assert not (ref.raw == cfg.mask_token_id).any() and ref.stats.nfe == 24
     # Hybrid: the Gated DeltaNet's float32 recurrence and in-block tiles sum in a different order over a
-    # window than over the whole canvas; the logits (about 1 in size) agree to ~2e-5.
-    tol = {"atol": 1e-5, "rtol": 5e-5} if cfg.is_hybrid else {"atol": 1e-5, "rtol": 0}
+    # window than over the whole canvas; the logits (about 1 in size) agree to ~2e-5 (machine-dependent).
+    tol = {"atol": 5e-5, "rtol": 0} if cfg.is_hybrid else {"atol": 1e-5, "rtol": 0}
     for cache in ("prefix", "dual"):
         got = generate(w, cfg, PROMPTS, SC.replace(cache=cache), record_logits=True)
         np.testing.assert_array_equal(got.raw, ref.raw, err_msg=cache)
@@ -150,8 +150,8 @@ def test_bidirectional_caches_are_exact_with_one_layer():
     w = numpy_init(cfg, 2)
     ref = generate(w, cfg, PROMPTS, SC, record_logits=True)
     # Hybrid: the Gated DeltaNet's float32 recurrence and in-block tiles sum in a different order over a
-    # window than over the whole canvas; the logits (about 1 in size) agree to ~2e-5.
-    tol = {"atol": 1e-5, "rtol": 5e-5} if cfg.is_hybrid else {"atol": 1e-5, "rtol": 0}
+    # window than over the whole canvas; the logits (about 1 in size) agree to ~2e-5 (machine-dependent).
+    tol = {"atol": 5e-5, "rtol": 0} if cfg.is_hybrid else {"atol": 1e-5, "rtol": 0}
     for cache in ("prefix", "dual"):
         got = generate(w, cfg, PROMPTS, SC.replace(cache=cache), record_logits=True)
         np.testing.assert_array_equal(got.raw, ref.raw, err_msg=cache)
