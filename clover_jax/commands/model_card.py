@@ -7,14 +7,14 @@ import json
 import shlex
 from collections.abc import Sequence
 
-from clover_jax.config import ModelConfig
+from clover_jax.config import LINEAR_ATTENTION, ModelConfig
 from clover_jax.model.params import count_params
 from clover_jax.training import EvalProtocol, TrainConfig, TrainResult
 
 
 def _mixers(cfg: ModelConfig) -> str:
     group = cfg.layer_group
-    lin = group.count("linear_attention")
+    lin = group.count(LINEAR_ATTENTION)
     bd = (f"block diffusion `bd_gdn: {cfg.bd_gdn}`, right conv of {cfg.bd_conv_right_kernel}"
           if cfg.has_bd_weights else "causal")
     return (f"| sequence mixers | {cfg.n_layers // len(group)} x ({lin} Gated DeltaNet + {len(group) - lin} gated "

@@ -150,11 +150,10 @@ def _bd_groups(cfg: ModelConfig, prefix: str, shapes: dict[str, list[int]]) -> l
     hk, hv, c, kr = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_conv_dim, cfg.bd_conv_right_kernel
     right = tuple(shapes.get(CONV_RIGHT, (c, 1, kr)))
     out = []
-    kinds = cfg.layer_types or ()
-    for layer, kind in enumerate(kinds):
-        if kind != LINEAR_ATTENTION:
+    for layer in range(cfg.n_layers):
+        stack, i = qwen3_5_moe.stack_of(cfg, layer)
+        if stack != "linear_layers":
             continue
-        i = kinds[:layer].count(LINEAR_ATTENTION)
         la = f"{qwen3_5_moe.layer_prefix(prefix, layer)}.linear_attn"
         if len(right) == 3:
             out.append(mapping.depthwise_conv(f"{la}.{CONV_RIGHT}", ("linear_layers.attn.conv_right", i), kr, c))

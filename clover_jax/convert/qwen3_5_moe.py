@@ -149,7 +149,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def _stack(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+def stack_of(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+    """(native stack, index in it) of decoder layer `layer`: Gated DeltaNet layers in `linear_layers`, the
+    attention layers in `moe_layers`."""
     kinds = cfg.layer_types or (FULL_ATTENTION,) * cfg.n_layers
     kind = kinds[layer]
     return ("linear_layers" if kind == LINEAR_ATTENTION else "moe_layers"), kinds[:layer].count(kind)
@@ -188,7 +190,7 @@ def backbone_groups(cfg: ModelConfig, fused_experts: bool, fused_linear: bool, p
     head = "language_model.lm_head.weight" if prefix.startswith("language_model.") else "lm_head.weight"
     g = mapping.ends(cfg, f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", head)
     for layer in range(cfg.n_layers):
-        stack, i = _stack(cfg, layer)
+        stack, i = stack_of(cfg, layer)
         p = layer_prefix(prefix, layer)
         g += [mapping.copy(f"{p}.input_layernorm.weight", (f"{stack}.attn_norm", i), (d,)),
               mapping.copy(f"{p}.post_attention_layernorm.weight", (f"{stack}.mlp_norm", i), (d,))]

@@ -161,6 +161,19 @@ def _zero_state(b: int, h: int, dk: int, dv: int) -> Array:
     return jnp.zeros((b, h, dk, dv), jnp.float32)
 
 
+def _update(s: Array, k: Array, v: Array, g: Array, beta: Array) -> Array:
+    """One gated delta-rule step on states s [B, H, dk, dv] for one position (k [B, H, dk], v [B, H, dv],
+    g and beta [B, H])."""
+    s = s * jnp.exp(g)[:, :, None, None]
+    kv = jnp.einsum("bhkv,bhk->bhv", s, k)
+    return s + jnp.einsum("bhk,bhv->bhkv", k, (v - kv) * beta[:, :, None])
+
+
+def _read(s: Array, q: Array) -> Array:
+    """The read-out S^T q of states s [B, H, dk, dv] for queries q [B, H, dk]."""
+    return jnp.einsum("bhkv,bhk->bhv", s, q)
+
+
 def delta_rule_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array,
                          state: Array | None = None) -> tuple[Array, Array]:
     """The gated delta rule one position at a time.
@@ -178,10 +191,8 @@ def delta_rule_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array,
 
     def step(s: Array, x: tuple) -> tuple[Array, Array]:
         qt, kt, vt, gt, bt = x  # [B, Hv, d] / [B, Hv]
-        s = s * jnp.exp(gt)[:, :, None, None]
-        kv = jnp.einsum("bhkv,bhk->bhv", s, kt)
-        s = s + jnp.einsum("bhk,bhv->bhkv", kt, (vt - kv) * bt[:, :, None])
-        return s, jnp.einsum("bhkv,bhk->bhv", s, qt)
+        s = _update(s, kt, vt, gt, bt)
+        return s, _read(s, qt)
 
     state, o = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(o, 0, 1), state
@@ -278,19 +289,10 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
         q = q.astype(f32) * dk**-0.5
         return tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, st.v, st.g, st.beta))
 
-    col = jnp.arange(blocks.shape[1])
-    keep = jnp.ones_like(col, bool) if commit is None else col < commit
+    keep = None if commit is None else jnp.arange(blocks.shape[1]) < commit
     xs = (time_major(x), None if noisy is None else time_major(noisy), jnp.moveaxis(blocks.astype(jnp.int32), 1, 0),
           jnp.moveaxis(valid, 1, 0), keep)
     state = _zero_state(b, hv, dk, dv) if state is None else state.astype(f32)
-
-    def update(s: Array, kt: Array, vt: Array, gt: Array, bt: Array) -> Array:
-        s = s * jnp.exp(gt)[:, :, None, None]
-        kv = jnp.einsum("bhkv,bhk->bhv", s, kt)
-        return s + jnp.einsum("bhk,bhv->bhkv", kt, (vt - kv) * bt[:, :, None])
-
-    def read(s: Array, qt: Array) -> Array:
-        return jnp.einsum("bhkv,bhk->bhv", s, qt)
 
     def step(carry: tuple, xt: tuple) -> tuple[tuple, tuple]:
         s, snap, n, cur, kept = carry
@@ -298,23 +300,24 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
         start = (ok & (blk != cur))[:, None, None, None]
         snap = jnp.where(start, s, snap)
         cur = jnp.where(ok, blk, cur)
-        s_new = update(s, kt, vt, gt, bt)
-        o = read(snap if history else s_new, qt)
-        kept = jnp.where(kp, s_new, kept)
+        s_new = _update(s, kt, vt, gt, bt)
+        o = _read(snap if history else s_new, qt)
+        if kept is not None:  # the state after the committed columns
+            kept = jnp.where(kp, s_new, kept)
         on = None
         if nt is not None:
             qn, kn, vn, gn, bn = nt
             if history:
-                on = read(snap, qn)
+                on = _read(snap, qn)
             else:
-                n = update(jnp.where(start, snap, n), kn, vn, gn, bn)
-                on = read(n, qn)
+                n = _update(jnp.where(start, snap, n), kn, vn, gn, bn)
+                on = _read(n, qn)
         return (s_new, snap, n, cur, kept), (o, on)
 
     init = (state, state, state if (noisy is not None and not history) else None,
-            jnp.full((b,), -1, jnp.int32), state)
-    (_, _, _, _, kept), (o, on) = jax.lax.scan(step, init, xs)
-    return jnp.moveaxis(o, 0, 1), None if on is None else jnp.moveaxis(on, 0, 1), kept
+            jnp.full((b,), -1, jnp.int32), None if commit is None else state)
+    (final, _, _, _, kept), (o, on) = jax.lax.scan(step, init, xs)
+    return jnp.moveaxis(o, 0, 1), None if on is None else jnp.moveaxis(on, 0, 1), final if kept is None else kept
 
 
 def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, valid: Array,
