@@ -81,8 +81,8 @@ class ModelConfig:
     bd_conv_right_kernel: int = 0
     # Special tokens.
     mask_token_id: int = -1  # -1: the last id of the vocabulary
-    eos_token_id: int = 1
-    pad_token_id: int = 0
+    eos_token_id: int | None = 1  # None: the model has no end-of-sequence token (generation never stops early)
+    pad_token_id: int | None = 0  # None: none declared (padding columns are masked out, any id fills them)
     # Numerics: weights and activations in `dtype`; router, norms and softmax always in float32.
     dtype: str = "bfloat16"
     init_std: float = 0.02
@@ -166,6 +166,15 @@ class ModelConfig:
         """Whether attention is block-causal (`attention == "block_causal"`)."""
         return self.attention == "block_causal"
 
+    @property
+    def filler_id(self) -> int:
+        """A token id that is not the mask: what fills padding columns and filler rows (both hidden from
+        attention, so the value never matters): the pad token, else the end token, else 0 or 1."""
+        for c in (self.pad_token_id, self.eos_token_id, 0, 1):
+            if c is not None and c != self.mask_token_id:
+                return c
+        raise AssertionError("unreachable: 0 and 1 cannot both be the mask")
+
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with `changes` applied (`dataclasses.replace`), validated again: ConfigError if invalid."""
         return dataclasses.replace(self, **changes)
@@ -231,7 +240,12 @@ def validate(cfg: ModelConfig) -> None:
     need(cfg.block_size > 0, f"block_size must be positive, got {cfg.block_size}")
     for tok in ("mask_token_id", "eos_token_id", "pad_token_id"):
         v = getattr(cfg, tok)
-        need(0 <= v < cfg.vocab_size, f"{tok} ({v}) must be a token id in [0, vocab_size={cfg.vocab_size})")
+        if v is None and tok != "mask_token_id":
+            continue
+        need(isinstance(v, int) and 0 <= v < cfg.vocab_size,
+             f"{tok} ({v}) must be a token id in [0, vocab_size={cfg.vocab_size})")
+    need(cfg.eos_token_id is None or cfg.eos_token_id != cfg.mask_token_id,
+         f"eos_token_id and mask_token_id are both {cfg.mask_token_id}: the end token must not be the mask")
     need(cfg.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     need(cfg.init_std > 0, "init_std must be positive")
     need(not cfg.shared_expert_gate or cfg.n_shared_experts > 0, "shared_expert_gate needs a shared expert")

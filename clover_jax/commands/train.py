@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         n_train_tokens = len(train_ids)
     else:
         eos = cfg.eos_token_id
-        full = PairDataset(args.sft, tok.encode, tc.seq_len, eos, cfg.pad_token_id, tc.seed)
+        full = PairDataset(args.sft, tok.encode, tc.seq_len, eos, cfg.filler_id, tc.seed)
         train_data, eval_data = full.split(args.holdout)
         n_train_tokens = int(train_data.loss_mask.sum())
     init_weights = None

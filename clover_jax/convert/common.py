@@ -60,9 +60,27 @@ def token_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def with_defaults(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`hf` with each field of `defaults` (the family's own config class defaults, in HF names) filled in
+    where config.json lacks it. A field present as null stays null ("no EOS" stays no EOS); a default
+    token id outside the vocabulary is no token (None)."""
+    out = dict(hf)
+    vocab = hf.get("vocab_size")
+    for key, value in defaults.items():
+        if key not in out:
+            if key.endswith("token_id") and value is not None and vocab is not None and value >= vocab:
+                value = None
+            out[key] = value
+    return out
+
+
 def common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """Native values of the `COMMON_FIELDS` present in `hf` (token ids as ints, `num_local_experts` read as
-    `num_experts`), with n_kv_heads and head_dim defaulted; ConversionError if a core size is missing."""
+    `num_experts`), with n_kv_heads and head_dim defaulted; ConversionError if a core size is missing.
+
+    The end and pad tokens are always set: None where config.json has none (null or absent; fill absent
+    ones from the family's defaults first, `with_defaults`). A pad id outside the vocabulary (LLaDA2's
+    class default 126081 in a small model) is no pad token: padding is masked out, its id never matters."""
     out: dict[str, Any] = {}
     if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
         hf = {**hf, "num_experts": hf["num_local_experts"]}  # what transformers 5 writes for Qwen3-MoE
@@ -72,11 +90,13 @@ def common_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
         if f not in out:
             need(hf, COMMON_FIELDS[f], family)
-    out.setdefault("n_kv_heads", out["n_heads"])
+    if not out.get("n_kv_heads"):  # absent, or LLaDA2's class default 0: one KV head per query head
+        out["n_kv_heads"] = out["n_heads"]
     out.setdefault("head_dim", out["d_model"] // out["n_heads"])
     for tok in ("eos_token_id", "pad_token_id"):
-        if out.get(tok) is None:
-            out.pop(tok, None)
+        out.setdefault(tok, None)
+    if out["pad_token_id"] is not None and not 0 <= out["pad_token_id"] < out["vocab_size"]:
+        out["pad_token_id"] = None
     return out
 
 

@@ -16,6 +16,12 @@ from clover_jax.convert.qwen3_moe import ATTN
 
 NAME = "llada_moe"
 MASK_TOKEN_ID = 156_895
+# LLaDAMoEConfig's defaults (HF names) for the fields this converter reads (its rope_theta and
+# partial_rotary_factor defaults are -1: config.json must give them).
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": 50279,
+    "pad_token_id": 1,
+}
 
 
 def detect(hf: dict[str, Any]) -> bool:
@@ -28,6 +34,8 @@ def detect(hf: dict[str, Any]) -> bool:
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
     """The native config `name` of HF config dict `hf`, in `dtype`, with `mask_token_id` (default
     `MASK_TOKEN_ID`); ConversionError for a missing field or an unsupported feature."""
+    hf = common.with_defaults(hf, DEFAULTS)
+    common.need(hf, "partial_rotary_factor", NAME)
     f = common.common_from_hf(hf, NAME)
     f["expert_mlp_dim"] = int(common.need(hf, "expert_intermediate_size", NAME))
     common.need(hf, "num_experts", NAME)
@@ -45,9 +53,8 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
     f.update(n_dense_layers=n_dense, dense_mlp_dim=int(hf.get("dense_intermediate_size") or 0) if n_dense else 0,
              n_shared_experts=1 if shared else 0, shared_mlp_dim=shared, router="softmax", norm_topk_prob=False,
              attention="bidirectional", qk_norm=bool(hf.get("qk_layernorm", True)), rope_theta=common.rope_theta(hf),
-             partial_rotary_factor=float(hf.get("partial_rotary_factor") or 1.0), dtype=dtype,
+             partial_rotary_factor=float(hf["partial_rotary_factor"]), dtype=dtype,
              mask_token_id=MASK_TOKEN_ID if mask_token_id is None else mask_token_id)
-    f.setdefault("norm_eps", 1e-5)
     f.pop("n_experts_per_tok", None)
     f["n_experts_per_tok"] = int(common.need(hf, "num_experts_per_tok", NAME))
     return common.make_config(name, NAME, f)

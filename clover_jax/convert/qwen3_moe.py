@@ -14,6 +14,11 @@ from clover_jax.config import ModelConfig
 from clover_jax.convert import common, mapping
 
 NAME = "qwen3_moe"
+# transformers' Qwen3MoeConfig defaults (HF names) for the fields this converter reads; no EOS, no pad.
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False, "rope_theta": 10000.0,
+    "norm_topk_prob": False, "eos_token_id": None, "pad_token_id": None,
+}
 ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
 
 
@@ -25,6 +30,7 @@ def detect(hf: dict[str, Any]) -> bool:
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
     """The native config `name` of HF config dict `hf`, in `dtype`, with `mask_token_id` (default: the
     last id); ConversionError for a missing field or an unsupported feature."""
+    hf = common.with_defaults(hf, DEFAULTS)
     f = common.common_from_hf(hf, NAME)
     for key in ("n_experts", "n_experts_per_tok", "expert_mlp_dim"):
         if key not in f:
@@ -35,9 +41,8 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
     common.refuse(dense != list(range(len(dense))), f"mlp_only_layers {dense} is not a prefix of the layers")
     common.refuse(bool(hf.get("use_sliding_window")), "sliding-window attention")
     f.update(n_dense_layers=len(dense), dense_mlp_dim=int(hf.get("intermediate_size") or 0) if dense else 0,
-             router="softmax", norm_topk_prob=bool(hf.get("norm_topk_prob", False)), attention="bidirectional",
+             router="softmax", norm_topk_prob=bool(hf["norm_topk_prob"]), attention="bidirectional",
              qk_norm=True, rope_theta=common.rope_theta(hf), dtype=dtype)
-    f.setdefault("norm_eps", 1e-6)
     if mask_token_id is not None:
         f["mask_token_id"] = mask_token_id
     return common.make_config(name, NAME, f)

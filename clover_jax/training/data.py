@@ -67,9 +67,10 @@ class PairDataset:
     """SFT examples from jsonl lines {"prompt": str, "response": str}: [prompt | response eos | pad].
 
     Only response tokens (and its eos) are masked and scored; the prompt stays clean as context.
+    `eos_id` None (a model without an end token): responses end without one.
     """
 
-    def __init__(self, path: str, encode, seq_len: int, eos_id: int, pad_id: int, seed: int):
+    def __init__(self, path: str, encode, seq_len: int, eos_id: int | None, pad_id: int, seed: int):
         if not os.path.isfile(path):
             raise DataError(f"SFT data {path!r} does not exist")
         rows, n_cut = [], 0
@@ -83,7 +84,7 @@ class PairDataset:
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise DataError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'response' "
                                     f"strings ({e})") from e
-                p, r = list(encode(prompt)), [*encode(response), eos_id]
+                p, r = list(encode(prompt)), [*encode(response), *([] if eos_id is None else [eos_id])]
                 if len(p) >= seq_len:
                     n_cut += 1
                     continue
