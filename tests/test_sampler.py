@@ -260,3 +260,20 @@ def test_impossible_hybrid_settings_are_refused_before_compiling():
     with pytest.raises(SamplerError, match="longer than the model's blocks"):  # block-diffusion GDN: <= 8
         generate(None, get_config("test-clover-hybrid"), [[5, 6, 7]], SamplerConfig(gen_length=16, block_length=16))
     assert compile_count() == before
+
+
+def test_the_mask_token_is_never_committed_even_as_the_top_prediction():
+    """Every generated position's top prediction is the mask token (p = 0.6); the runner-up (token 40 + i,
+    p 0.3) is what gets committed, one per step as scheduled, with the model's own probability as its
+    confidence: the mask's mass stays in the normaliser, so a threshold of 0.5 commits nothing extra."""
+    rows = []
+    for _ in PROMPTS:
+        row = []
+        for i in range(G):
+            probs = np.full(V, 0.1 / (V - 2))
+            probs[MASK], probs[40 + i] = 0.6, 0.3
+            row.append(np.log(probs).astype(np.float32))
+        rows.append(row)
+    res, frames = run(table_from(rows), sc(threshold=0.5, eos_stop=False))
+    np.testing.assert_array_equal(res.raw, np.broadcast_to(np.arange(40, 40 + G), (2, G)))
+    assert res.stats.nfe == G and all(len(s) == 1 for s in commit_steps(frames, 0))

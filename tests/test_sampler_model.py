@@ -59,20 +59,27 @@ def bidirectional():
     return cfg, numpy_init(cfg, 1)
 
 
+# Passes without a cache: 3 blocks x 8 steps; on the absolute grid the prompts' 5-token tails open block 0
+# (3 masks: 3 passes), then 3 whole blocks (24).
+NFE = {"prompt": 24, "absolute": 27}
+
+
 def test_kv_cache_is_exact_for_block_causal_models(block_causal):
     cfg, w = block_causal
-    ref = generate(w, cfg, PROMPTS, SC, record_logits=True)
-    assert not (ref.raw == cfg.mask_token_id).any() and ref.stats.nfe == 24
     # Hybrid: the Gated DeltaNet's float32 recurrence and in-block tiles sum in a different order over a
     # window than over the whole canvas; the logits (about 1 in size) agree to ~2e-5 (machine-dependent).
     tol = {"atol": 5e-5, "rtol": 0} if cfg.is_hybrid else {"atol": 1e-5, "rtol": 0}
-    for cache in ("prefix", "dual"):
-        got = generate(w, cfg, PROMPTS, SC.replace(cache=cache), record_logits=True)
-        np.testing.assert_array_equal(got.raw, ref.raw, err_msg=cache)
-        np.testing.assert_allclose(got.logits, ref.logits, err_msg=cache, **tol)
-        assert got.stats.nfe == ref.stats.nfe + 1  # + the prompt prefill; block re-encoding rides on step 1
+    for grid in ("prompt", "absolute") if cfg.family == "llada2_moe" else ("prompt",):
+        sc = SC.replace(block_grid=grid)
+        ref = generate(w, cfg, PROMPTS, sc, record_logits=True)
+        assert not (ref.raw == cfg.mask_token_id).any() and ref.stats.nfe == NFE[grid]
+        for cache in ("prefix", "dual"):
+            got = generate(w, cfg, PROMPTS, sc.replace(cache=cache), record_logits=True)
+            np.testing.assert_array_equal(got.raw, ref.raw, err_msg=cache)
+            np.testing.assert_allclose(got.logits, ref.logits, err_msg=cache, **tol)
+            assert got.stats.nfe == ref.stats.nfe + 1  # + the prompt prefill; block re-encoding rides on step 1
     # parallel decoding through the same two programs (threshold and steps are dynamic)
-    fast = SC.replace(steps=6, threshold=0.3)
+    fast = SC.replace(steps=6, threshold=0.3, block_grid="prompt")
     a = generate(w, cfg, PROMPTS, fast, record_logits=True)
     b = generate(w, cfg, PROMPTS, fast.replace(cache="prefix"), record_logits=True)
     np.testing.assert_array_equal(a.raw, b.raw)

@@ -29,6 +29,7 @@ from clover_jax.errors import CloverError, SamplerError, UsageError
 from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params
+from clover_jax.model.moe import get_dispatch
 from clover_jax.sampler import (
     SamplerConfig,
     SamplerStats,
@@ -72,12 +73,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", default=None,
                    help="auto (default) | none | prefix | dual. auto: prefix for block-causal models (exact), none "
                         "otherwise; prefix/dual are approximations for bidirectional models")
+    p.add_argument("--block-grid", default=None,
+                   help="auto (default) | prompt | absolute. prompt: generated blocks start after the prompt "
+                        "(LLaDA, Fast-dLLM); absolute: blocks from position 0, the prompt's partial last block "
+                        "completed first (LLaDA2's generate). auto: absolute for llada2_moe models")
+    p.add_argument("--confidence", default=None,
+                   help="auto (default) | logits | sampling: the probability low_confidence and --threshold use. "
+                        "logits: the model's softmax at temperature 1 (LLaDA); sampling: the tempered, top-k/top-p "
+                        "filtered distribution the token was drawn from (LLaDA2). Equal at temperature 0. "
+                        "auto: sampling for llada2_moe models")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating after EOS")
     p.add_argument("--bd-gdn", choices=BD_GDN_MODES, default=None,
                    help="how Gated DeltaNet layers use Clover's block-diffusion tensors: 'reconstructed' (this "
                         "project's reading) or 'none' (the plain causal Gated DeltaNet, as llama.cpp runs it); "
                         "default: the checkpoint's")
+    p.add_argument("--dispatch", default=None,
+                   help="MoE dispatch (tiled, dense, ragged, ep_gather, ...; default: the model's, or the "
+                        "expert-parallel one for --mesh)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
     p.add_argument("--show", action="store_true", help="redraw the canvas on stderr as it fills in")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt as is")
@@ -220,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or default_model()
     sc = sampler_config(args, model_sampler_defaults(model) if os.path.isdir(model) else None)
     check_settings(sc)  # the knobs, before reading or loading anything
+    if args.dispatch is not None:
+        try:
+            get_dispatch(args.dispatch)
+        except ValueError as e:
+            raise UsageError(f"--dispatch: {e}") from e
     todo_jobs = jobs.read_jobs(args.input) if args.input else [(0, args.prompt)]
     cfg, weights, tok, mesh = load(model, args.mesh)
     if args.bd_gdn is not None and args.bd_gdn != cfg.bd_gdn:
@@ -245,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, cfg: ModelConfig, weights: Any, tok: Tokenizer, sc: SamplerConfig, text: str,
              ids: list[int], mesh: MeshRules | None) -> int:
     show = make_show(tok, cfg, text) if args.show else None
-    res = generate(weights, cfg, [ids], sc, progress=show, mesh=mesh)
+    res = generate(weights, cfg, [ids], sc, progress=show, mesh=mesh, dispatch=args.dispatch)
     print(tok.decode(res.tokens[0]))
     print(res.stats.line(), file=sys.stderr)
     return 0
@@ -258,7 +276,8 @@ def _run_batch(args: argparse.Namespace, cfg: ModelConfig, weights: Any, tok: To
 
     def run_batch(chunk: Sequence[tuple[Any, str, list[int]]]) -> list[dict]:
         show = make_show(tok, cfg, chunk[0][1]) if args.show else None
-        res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket, mesh=mesh)
+        res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket, mesh=mesh,
+                       dispatch=args.dispatch)
         st = res.stats
         stats.append(st)
         return [{"id": rid, "prompt": text, "text": tok.decode(out), "tokens": len(out), "finished": fin,

@@ -6,6 +6,7 @@ per-step arithmetic (filters, draws, remasking scores, the commit rule) is in `s
 
 from clover_jax.errors import SamplerError
 from clover_jax.sampler.generate import (
+    CONFIDENCES,
     GenerateResult,
     SamplerConfig,
     SamplerStats,
@@ -17,13 +18,16 @@ from clover_jax.sampler.generate import (
     generate,
     prepare_batch,
     resolve_cache,
+    resolve_rule,
     validate,
 )
-from clover_jax.sampler.program import CACHE_MODES, ModelForward, ProgramSpec
+from clover_jax.sampler.program import BLOCK_GRIDS, CACHE_MODES, ModelForward, ProgramSpec
 from clover_jax.sampler.scoring import REMASKING, remasking_index
 
 __all__ = [
+    "BLOCK_GRIDS",
     "CACHE_MODES",
+    "CONFIDENCES",
     "REMASKING",
     "GenerateResult",
     "ModelForward",
@@ -40,5 +44,6 @@ __all__ = [
     "prepare_batch",
     "remasking_index",
     "resolve_cache",
+    "resolve_rule",
     "validate",
 ]

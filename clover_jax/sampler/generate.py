@@ -9,9 +9,20 @@ one step lives in `scoring`.
     res.tokens[0], res.stats.nfe
 
 Static (one compiled program each): model config, mesh, batch bucket, prompt bucket, gen_length,
-block_length, cache mode, guidance on/off, progress callback on/off, record_logits. Dynamic (never a
-recompile): steps, remasking, threshold, entropy_bound, temperature, top_p, top_k, cfg_scale (> 0),
-seed, eos_stop. Compiled programs are kept per process (the 32 most recently used).
+block_length, cache mode, block grid, guidance on/off, progress callback on/off, record_logits. Dynamic
+(never a recompile): steps, remasking, threshold, entropy_bound, temperature, top_p, top_k, cfg_scale
+(> 0), seed, eos_stop, confidence. Compiled programs are kept per process (the 32 most recently used).
+
+Block grid: `prompt` starts generated blocks at the end of each prompt and lays the prompt's blocks by
+the model's `block_size` (LLaDA, Fast-dLLM); `absolute` lays every block of `block_length` positions
+from position 0, so a prompt's last partial block is completed first and each block's schedule splits
+`block_length` tokens (LLaDA2's `generate`). The two agree when every prompt is a multiple of the block.
+
+Confidence (what low_confidence ranks and the threshold compares): `logits` is the probability of the
+drawn token under the model's softmax at temperature 1, unfiltered (LLaDA, Fast-dLLM); `sampling` is
+its probability under the tempered, top-k/top-p-filtered distribution it was drawn from (LLaDA2). At
+temperature 0 both are the unfiltered softmax and top-k / top-p are ignored. The mask token is never
+drawn (see `scoring.sample`).
 
 Cache `auto` (the default) is the fastest exact mode: `prefix` for block-causal models, `none` for
 bidirectional ones, where `prefix` / `dual` are approximations (see `program`).
@@ -25,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -35,6 +46,7 @@ from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model.moe import choose_dispatch
 from clover_jax.sampler.program import (
+    BLOCK_GRIDS,
     CACHE_MODES,
     ForwardFn,
     Knobs,
@@ -46,6 +58,10 @@ from clover_jax.sampler.program import (
     set_progress_sink,
 )
 from clover_jax.sampler.scoring import REMASKING, remasking_index
+
+CONFIDENCES = ("logits", "sampling")
+# What `auto` means per model family: the rules of the family's own reference generator.
+FAMILY_DEFAULTS: dict[str, dict[str, str]] = {"llada2_moe": {"block_grid": "absolute", "confidence": "sampling"}}
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,8 @@ class SamplerConfig:
     seed: int = 0
     cache: str = "auto"  # auto | none | prefix | dual (auto: prefix for block-causal models, else none: exact)
     eos_stop: bool = True  # a row stops at its first EOS once nothing before it is masked
+    block_grid: str = "auto"  # auto | prompt | absolute (auto: absolute for llada2_moe models, else prompt)
+    confidence: str = "auto"  # auto | logits | sampling (auto: sampling for llada2_moe models, else logits)
 
     @property
     def n_blocks(self) -> int:
@@ -156,6 +174,10 @@ def check_settings(sc: SamplerConfig) -> None:
     need(isinstance(sc.top_k, int) and sc.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {sc.top_k!r}")
     need(sc.cfg_scale >= 0 and math.isfinite(sc.cfg_scale), f"cfg_scale must be >= 0, got {sc.cfg_scale}")
     need(isinstance(sc.seed, int), f"seed must be an integer, got {sc.seed!r}")
+    need(sc.block_grid in ("auto", *BLOCK_GRIDS),
+         f"unknown block grid {sc.block_grid!r}; choose one of {('auto', *BLOCK_GRIDS)}")
+    need(sc.confidence in ("auto", *CONFIDENCES),
+         f"unknown confidence rule {sc.confidence!r}; choose one of {('auto', *CONFIDENCES)}")
 
 
 def check_model(cfg: ModelConfig) -> None:
@@ -181,9 +203,12 @@ def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequenc
         lo, hi = int(arr.min()), int(arr.max())
         need(lo >= 0 and hi < cfg.vocab_size,
              f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {cfg.vocab_size})")
-        need(len(pr) + sc.gen_length <= cfg.max_seq_len,
+        total = len(pr) + sc.gen_length
+        if resolve_rule(cfg, "block_grid", sc.block_grid) == "absolute":  # the last block is generated whole
+            total = -(-total // sc.block_length) * sc.block_length
+        need(total <= cfg.max_seq_len,
              f"prompt {i} has {len(pr)} tokens; with gen_length {sc.gen_length} that is "
-             f"{len(pr) + sc.gen_length} > the model's max_seq_len {cfg.max_seq_len}")
+             f"{total} > the model's max_seq_len {cfg.max_seq_len}")
 
 
 # ---- batching --------------------------------------------------------------------------------
@@ -207,21 +232,41 @@ def prompt_bucket(longest: int, block_length: int) -> int:
     return block_length * _next_pow2(-(-longest // block_length))
 
 
-def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, pad_id: int,
-                  batch: int | None = None, prompt_len: int | None = None,
-                  mesh: MeshRules | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad prompts into [B, P] int32 plus lengths [B]; filler rows have length 0."""
+class Batch(NamedTuple):
+    """Prompts laid out for the program (host arrays)."""
+
+    prompt: np.ndarray  # [B, P] int32, left-padded
+    lengths: np.ndarray  # [B] int32 valid prompt columns (0: a filler row)
+    start: np.ndarray  # [B, G'] int32 the generated columns' first tokens
+    tail: np.ndarray  # [B] int32 prompt tokens placed in the generated columns (absolute grid), else 0
+
+
+def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, cfg: ModelConfig, gen_length: int,
+                  batch: int | None = None, prompt_len: int | None = None, mesh: MeshRules | None = None,
+                  block_grid: str = "prompt") -> Batch:
+    """Left-pad prompts into the batch and prompt buckets; filler rows have length 0.
+
+    On the absolute grid a prompt's last `len % block_length` tokens open the generated columns, which
+    then hold one block more (G' = gen_length + block_length) whenever some prompt has such a tail."""
+    tails = [len(x) % block_length if block_grid == "absolute" else 0 for x in prompts]
+    heads = [len(x) - t for x, t in zip(prompts, tails, strict=True)]
+    g = gen_length + (block_length if any(tails) else 0)
     b = batch_bucket(len(prompts), mesh) if batch is None else batch
-    p = prompt_bucket(max(len(x) for x in prompts), block_length) if prompt_len is None else prompt_len
-    if b < len(prompts) or p < max(len(x) for x in prompts):
+    p = prompt_bucket(max(heads), block_length) if prompt_len is None else prompt_len
+    if b < len(prompts) or p < max(heads):
         raise SamplerError(f"buckets of {b} rows x {p} columns cannot hold {len(prompts)} prompts of up to "
-                           f"{max(len(x) for x in prompts)} tokens")
-    out = np.full((b, p), pad_id, np.int32)
+                           f"{max(heads)} tokens")
+    out = np.full((b, p), cfg.filler_id, np.int32)
     lens = np.zeros((b,), np.int32)
-    for i, pr in enumerate(prompts):
-        out[i, p - len(pr):] = np.asarray(pr, np.int32)
-        lens[i] = len(pr)
-    return out, lens
+    start = np.full((b, g), cfg.filler_id, np.int32)
+    for i, (pr, n) in enumerate(zip(prompts, heads, strict=True)):
+        arr = np.asarray(pr, np.int32)
+        if n:
+            out[i, p - n:] = arr[:n]
+        start[i] = cfg.mask_token_id
+        start[i, :len(arr) - n] = arr[n:]
+        lens[i] = n
+    return Batch(out, lens, start, np.asarray(tails + [0] * (b - len(prompts)), np.int32))
 
 
 # ---- compiled programs -----------------------------------------------------------------------
@@ -236,8 +281,8 @@ def compile_count() -> int:
     return _COMPILES[0]
 
 
-def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: np.ndarray,
-                     lengths: np.ndarray, knobs: Knobs) -> tuple[Callable[..., ProgramOut], float]:
+def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, batch: Batch,
+                     knobs: Knobs) -> tuple[Callable[..., ProgramOut], float]:
     """The AOT-compiled program for these static settings, and the seconds spent compiling it now."""
     key = (spec, forward_fn)
     if key in _PROGRAMS:
@@ -245,7 +290,7 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, pro
         return _PROGRAMS[key], 0.0
     t0 = time.perf_counter()
     fn = jax.jit(run_program, static_argnums=(0, 1))
-    exe = fn.lower(spec, forward_fn, weights, prompt, lengths, knobs).compile()
+    exe = fn.lower(spec, forward_fn, weights, batch.prompt, batch.lengths, batch.start, knobs).compile()
     _PROGRAMS[key] = exe
     while len(_PROGRAMS) > _MAX_PROGRAMS:
         _PROGRAMS.popitem(last=False)
@@ -261,11 +306,23 @@ def resolve_cache(cfg: ModelConfig, cache: str) -> str:
     return "prefix" if (cache == "dual" and cfg.is_block_causal) else cache
 
 
-def knobs_for(sc: SamplerConfig) -> Knobs:
-    """The traced knobs of a request (changing them never recompiles)."""
-    return make_knobs(steps=sc.total_steps, temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k,
+def resolve_rule(cfg: ModelConfig, name: str, value: str) -> str:
+    """`auto` -> the family's rule for `name` (block_grid, confidence; `FAMILY_DEFAULTS`), else the first
+    choice (prompt, logits); anything else is returned as given."""
+    if value != "auto":
+        return value
+    first = {"block_grid": BLOCK_GRIDS, "confidence": CONFIDENCES}[name][0]
+    return FAMILY_DEFAULTS.get(cfg.family, {}).get(name, first)
+
+
+def knobs_for(sc: SamplerConfig, cfg: ModelConfig, n_blocks: int | None = None) -> Knobs:
+    """The traced knobs of a request (changing them never recompiles); `n_blocks`: the program's blocks
+    when the absolute grid adds one (the steps per block stay those of `sc`)."""
+    steps = sc.total_steps if n_blocks is None else (sc.total_steps // sc.n_blocks) * n_blocks
+    return make_knobs(steps=steps, temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k,
                       threshold=sc.threshold, entropy_bound=sc.entropy_bound, cfg_scale=sc.cfg_scale,
-                      remasking=remasking_index(sc.remasking), eos_stop=sc.eos_stop, seed=sc.seed)
+                      remasking=remasking_index(sc.remasking), eos_stop=sc.eos_stop, seed=sc.seed,
+                      sampled_confidence=resolve_rule(cfg, "confidence", sc.confidence) == "sampling")
 
 
 def generate(
@@ -295,35 +352,45 @@ def generate(
         if dispatch is None and mesh is not None:  # on a mesh: the expert-parallel strategy for it
             dispatch = choose_dispatch(mesh)
         forward_fn = ModelForward(cfg, dispatch, mesh)
-    tokens_in, lengths = prepare_batch(prompts, sc.block_length, cfg.pad_token_id, batch, prompt_len, mesh)
-    if tokens_in.shape[1] < sc.block_length:  # the cached first step re-encodes the block before block 0
-        raise SamplerError(f"prompt_len={tokens_in.shape[1]} must be at least block_length ({sc.block_length})")
+    grid = resolve_rule(cfg, "block_grid", sc.block_grid)
+    inputs = prepare_batch(prompts, sc.block_length, cfg, sc.gen_length, batch, prompt_len, mesh, grid)
+    if inputs.prompt.shape[1] < sc.block_length:  # the cached first step re-encodes the block before block 0
+        raise SamplerError(f"prompt_len={inputs.prompt.shape[1]} must be at least block_length ({sc.block_length})")
     cache = resolve_cache(cfg, sc.cache)
     if cache != "none" and not hasattr(forward_fn, "init_cache"):
         raise SamplerError(f"cache={cache!r} needs a forward function with an init_cache(rows, length) method")
-    spec = ProgramSpec(cfg, tokens_in.shape[0], tokens_in.shape[1], sc.gen_length, sc.block_length, cache,
+    g = inputs.start.shape[1]
+    spec = ProgramSpec(cfg, inputs.prompt.shape[0], inputs.prompt.shape[1], g, sc.block_length, cache,
                        guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits,
-                       mesh=mesh)
-    knobs = knobs_for(sc)
-    exe, compile_s = compiled_program(spec, forward_fn, weights, tokens_in, lengths, knobs)
+                       mesh=mesh, block_grid=grid)
+    knobs = knobs_for(sc, cfg, g // sc.block_length)
+    exe, compile_s = compiled_program(spec, forward_fn, weights, inputs, knobs)
+    if progress is not None and inputs.tail.any():  # report each row's generated columns only
+        user, tail = progress, inputs.tail
+
+        def progress(toks: np.ndarray, blk: int, nfe: int) -> None:
+            user(np.stack([r[t:t + sc.gen_length] for r, t in zip(toks, tail, strict=True)]), blk, nfe)
+
     set_progress_sink(progress)
     try:
         t0 = time.perf_counter()
-        out = jax.block_until_ready(exe(weights, tokens_in, lengths, knobs))
+        out = jax.block_until_ready(exe(weights, inputs.prompt, inputs.lengths, inputs.start, knobs))
         if progress is not None:
             jax.effects_barrier()
         wall = time.perf_counter() - t0
     finally:
         set_progress_sink(None)
     n = len(prompts)
-    raw = np.asarray(out.tokens)[:n]
+    canvas = np.asarray(out.tokens)[:n]
+    raw = np.stack([canvas[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
     result_tokens, finished = [], []
     for row in raw:
-        hits = np.flatnonzero(row == cfg.eos_token_id)
+        hits = np.flatnonzero(row == cfg.eos_token_id) if cfg.eos_token_id is not None else np.zeros(0, int)
         end = int(hits[0]) if hits.size else len(row)
         result_tokens.append([int(x) for x in row[:end]])
         finished.append(bool(hits.size))
     stats = SamplerStats(nfe=int(out.nfe), steps=int(out.steps), tokens=int(np.asarray(out.committed)[:n].sum()),
                          rows=n, wall_s=wall, compile_s=compile_s)
-    logits = None if out.logits is None else np.asarray(out.logits)[:n]
+    logits = None if out.logits is None else np.stack(
+        [np.asarray(out.logits)[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
     return GenerateResult(result_tokens, finished, raw, stats, logits)

@@ -1,7 +1,10 @@
 """The sampling program: one jit-compiled, fixed-shape denoising loop over a canvas [B, P + G].
 
 Layout: prompts left-padded to P columns, then G generated columns that start as the mask token.
-Generated block j covers columns [P + j*L, P + (j+1)*L) (L = block_length). An outer
+Generated block j covers columns [P + j*L, P + (j+1)*L) (L = block_length). On the absolute block
+grid (LLaDA2's) a prompt's last n % L tokens open generated block 0 instead (the prompt's partial
+block is completed first), every block is L positions from position 0, and each block's schedule
+splits L tokens over its steps (LLaDA2) rather than the block's masks (LLaDA). An outer
 `lax.while_loop` walks the blocks, an inner one runs the refinement steps of a block; a block ends
 when its steps are spent or it has no mask left, the loop ends when every row is done.
 
@@ -43,17 +46,11 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import masks, transformer
-from clover_jax.sampler.scoring import (
-    draw_tokens,
-    filter_logits,
-    guide,
-    score_tokens,
-    select_commits,
-    transfer_count,
-)
+from clover_jax.sampler.scoring import guide, sample, score_tokens, select_commits, transfer_count
 
 Array = jax.Array
 CACHE_MODES = ("none", "prefix", "dual")
+BLOCK_GRIDS = ("prompt", "absolute")
 
 # forward_fn(weights, tokens [R, W], positions [R, W], mask [R, W, S], cache | None, cache_offset,
 #            logits_start, logits_len) -> (logits [R, logits_len, V] float32, cache | None)
@@ -98,6 +95,7 @@ class ProgramSpec:
     progress: bool = False  # compile in the progress callback
     record_logits: bool = False  # keep the logits each token was committed from (tests, debugging)
     mesh: MeshRules | None = None  # where the program runs (None: one device)
+    block_grid: str = "prompt"  # absolute: every block holds L canvas columns from position 0 (see `generate`)
 
     @property
     def n_blocks(self) -> int:
@@ -118,15 +116,17 @@ class Knobs(NamedTuple):
     remasking: Array  # int32 scoring.remasking_index of the strategy
     eos_stop: Array  # bool
     seed: Array  # uint32
+    sampled_confidence: Array  # bool: confidence from the tempered, filtered distribution (`scoring.sample`)
 
 
 def make_knobs(*, steps: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                threshold: float = 0.0, entropy_bound: float = 0.0, cfg_scale: float = 0.0,
-               remasking: int = 0, eos_stop: bool = True, seed: int = 0) -> Knobs:
+               remasking: int = 0, eos_stop: bool = True, seed: int = 0,
+               sampled_confidence: bool = False) -> Knobs:
     """Host arrays with fixed dtypes, so every call hits the same compiled signature."""
     return Knobs(np.int32(steps), np.float32(temperature), np.float32(top_p), np.int32(top_k),
                  np.float32(threshold), np.float32(entropy_bound), np.float32(cfg_scale),
-                 np.int32(remasking), np.bool_(eos_stop), np.uint32(seed % 2**32))
+                 np.int32(remasking), np.bool_(eos_stop), np.uint32(seed % 2**32), np.bool_(sampled_confidence))
 
 
 class ProgramOut(NamedTuple):
@@ -172,8 +172,10 @@ class _State(NamedTuple):
 
 
 def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: Array, prompt_len: Array,
-                knobs: Knobs) -> ProgramOut:
-    """The whole denoising loop. prompt [B, P] left-padded int32, prompt_len [B] (0 = a filler row)."""
+                start: Array, knobs: Knobs) -> ProgramOut:
+    """The whole denoising loop. prompt [B, P] left-padded int32, prompt_len [B] its valid columns (0 = a
+    filler row), start [B, G] the generated columns' first tokens: the mask token, after the prompt's
+    tail on an absolute block grid (a filler row: any other token, so that it is done from the start)."""
     cfg = spec.model
     b, p, g, bl = spec.batch, spec.prompt_len, spec.gen_length, spec.block_length
     t = p + g
@@ -183,6 +185,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     extra = g if (mode == "prefix" and bidir) else 0  # fixed-width [block j .. end] windows
     s = t + extra
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
+    # prompt blocks: the model's blocks, or on the absolute grid the sampler's (LLaDA2 lays both from position 0)
+    prompt_block = bl if spec.block_grid == "absolute" else cfg.block_size
 
     # ordered effects need one device; the loop's steps run in order anyway
     single_device = spec.mesh is None or spec.mesh.n_devices == 1
@@ -190,11 +194,10 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     prompt_len = prompt_len.astype(jnp.int32)
     valid = (col[None] >= p - prompt_len[:, None]) & (col[None] < t)
     positions = masks.positions(valid)
-    block_ids = masks.canvas_block_ids(positions, p, bl, cfg.block_size)
-    is_prompt = valid & (col[None] < p)
-    gen_init = jnp.where(prompt_len[:, None] > 0, mask_id, eos_id) * jnp.ones((1, g), jnp.int32)
+    block_ids = masks.canvas_block_ids(positions, p, bl, prompt_block)
     canvas = jnp.concatenate(
-        [prompt.astype(jnp.int32), gen_init, jnp.full((b, extra), cfg.pad_token_id, jnp.int32)], axis=1)
+        [prompt.astype(jnp.int32), start.astype(jnp.int32), jnp.full((b, extra), cfg.filler_id, jnp.int32)], axis=1)
+    is_prompt = valid & ((col[None] < p) | (canvas != mask_id))  # the tail on an absolute grid is prompt too
 
     rows = (lambda x: jnp.concatenate([x, x], axis=0)) if spec.guidance else (lambda x: x)
     valid_r, pos_r, ids_r = rows(valid), rows(positions), rows(block_ids)
@@ -224,6 +227,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     gcol = jnp.arange(g)
 
     def eos_fill(cv: Array) -> Array:
+        if eos_id is None:  # a model without an end token never stops early
+            return cv
         gen = cv[:, p:t]
         is_eos = gen == eos_id
         first = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), g)
@@ -237,9 +242,9 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         key, k_draw, k_score = jax.random.split(st.key, 3)
         blk = _dslice(st.canvas, lo, bl)
         masked = blk == mask_id
-        filtered = filter_logits(logits, knobs.top_k, knobs.top_p)
-        drawn = draw_tokens(filtered, k_draw, knobs.temperature)
-        scores = score_tokens(filtered, drawn, knobs.remasking, k_score)
+        drawn, dist = sample(logits, k_draw, knobs.temperature, knobs.top_k, knobs.top_p, mask_id,
+                             knobs.sampled_confidence)
+        scores = score_tokens(dist, drawn, knobs.remasking, k_score)
         n = transfer_count(st.n_sched, spb, st.step)
         chosen = select_commits(scores, masked, n, knobs.threshold, knobs.entropy_bound)
         cv = jax.lax.dynamic_update_slice_in_dim(st.canvas, jnp.where(chosen, drawn, blk), lo, axis=1)
@@ -287,7 +292,10 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     def block_body(st: _State) -> _State:
         # Every unfinished row has masks in block j when it starts, so step 0 (which, with a cache,
         # also writes block j-1's final K/V) always runs.
-        st = st._replace(step=jnp.int32(0), n_sched=jnp.sum(block_masked(st.canvas, st.block), axis=1))
+        # the schedule splits the block's masks over its steps (LLaDA); on the absolute grid it splits L (LLaDA2)
+        n_masked = jnp.sum(block_masked(st.canvas, st.block), axis=1)
+        n_sched = jnp.full_like(n_masked, bl) if spec.block_grid == "absolute" else n_masked
+        st = st._replace(step=jnp.int32(0), n_sched=n_sched)
         st = jax.lax.while_loop(inner_cond, step, st)
         return st._replace(block=st.block + 1)
 

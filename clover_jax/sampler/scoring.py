@@ -1,5 +1,5 @@
-"""The sampler's per-step arithmetic: guidance, top-k/top-p filtering, token draws, scores and the
-commit rule. Pure functions over one block's logits [B, L, V]; every knob is a traced array so that
+"""The sampler's per-step arithmetic: guidance, temperature and top-k/top-p filtering, token draws,
+scores and the commit rule. Pure functions over one block's logits [B, L, V]; every knob is a traced array so that
 changing it never recompiles the sampling program.
 """
 
@@ -65,6 +65,33 @@ def draw_tokens(logits: Array, key: Array, temperature: Array) -> Array:
     return jax.lax.cond(temperature > 0, sample, greedy, logits)
 
 
+def sample(logits: Array, key: Array, temperature: Array, top_k: Array, top_p: Array, mask_id: int,
+           sampled_confidence: Array) -> tuple[Array, Array]:
+    """Draw one token per position of `logits` [B, L, V]; returns (tokens [B, L], the logits the scores
+    are computed from [B, L, V]).
+
+    The mask token is never drawn (a committed mask would be no token at all). Its logit still counts
+    in the scores' normaliser, so a confidence is the model's own probability of the drawn token.
+    Temperature 0: the argmax; top-k / top-p are ignored (they never remove the argmax) and the scores
+    come from the unfiltered logits, as in every reference generator. Temperature T > 0: logits / T,
+    then top-k, then top-p (transformers' order), then a Gumbel-max draw; the scores come from the raw
+    logits at temperature 1 (`sampled_confidence` False: LLaDA, Fast-dLLM) or from the tempered,
+    filtered distribution the token was drawn from (True: LLaDA2).
+    """
+    x = logits.astype(jnp.float32)
+    drawable = x.at[..., mask_id].set(-jnp.inf)
+
+    def hot(d: Array) -> tuple[Array, Array]:
+        scaled = filter_logits(d / temperature, top_k, top_p)
+        return draw_tokens(scaled, key, jnp.float32(1.0)), scaled
+
+    def cold(d: Array) -> tuple[Array, Array]:
+        return jnp.argmax(d, axis=-1).astype(jnp.int32), d
+
+    tokens, dist = jax.lax.cond(temperature > 0, hot, cold, drawable)
+    return tokens, jnp.where(sampled_confidence & (temperature > 0), dist, x)
+
+
 class Scores(NamedTuple):
     """One block's scores, each [B, L]: what `select_commits` decides from."""
 
@@ -106,11 +133,8 @@ def remasking_index(name: str) -> int:
 
 
 def score_tokens(logits: Array, tokens: Array, strategy: Array, key: Array) -> Scores:
-    """Scores of a block from the filtered logits; `strategy` is a traced `remasking_index`.
-
-    Confidence is the probability of the drawn token under softmax(filtered logits) at
-    temperature 1 (LLaDA / Fast-dLLM; LLaDA2 would use the temperature-scaled softmax).
-    """
+    """Scores of a block from `logits` (what `sample` returns for them); `strategy` is a traced
+    `remasking_index`. Confidence is softmax(logits) at the drawn token."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     p = jnp.exp(logp)
     conf = jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
