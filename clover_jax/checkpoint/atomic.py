@@ -6,10 +6,13 @@ and an existing destination survives any failure before the swap. Works across p
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
+import sys
+import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -18,7 +21,7 @@ from jax.experimental import multihost_utils
 from clover_jax.errors import CheckpointError
 
 
-def _sync(tag: str) -> None:
+def sync_processes(tag: str) -> None:
     """Barrier across processes (no-op in a single-process run)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(tag)
@@ -37,6 +40,57 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_destination(dest: str, force: bool, sources: Sequence[str] = (), what: str = "destination") -> str:
+    """Refuse, before any work, a `dest` that would lose the user's data or cannot be written; returns
+    its absolute path. CheckpointError when `dest` holds anything and not `force`, when it is a source,
+    inside one or holds one (replacing it would delete the source), or when its parent cannot be written."""
+    dest = os.path.abspath(dest)
+    real = os.path.realpath(dest)
+    for src in sources:
+        s = os.path.realpath(src)
+        if _inside(real, s) or _inside(s, real):
+            relation = "is" if real == s else "lies inside" if _inside(real, s) else "holds"
+            raise CheckpointError(f"{what} {dest} {relation} the source {os.path.abspath(src)}: choose another {what}")
+    if os.path.lexists(dest) and not force:
+        raise CheckpointError(f"{what} {dest} already exists (pass --force to replace it; the old copy stays "
+                              "until the new one is complete)")
+    parent = os.path.dirname(dest)
+    probe = parent
+    while not os.path.isdir(probe):  # the nearest existing ancestor must let us create the rest
+        if os.path.lexists(probe):
+            raise CheckpointError(f"{what} {dest}: {probe} is not a directory")
+        probe = os.path.dirname(probe)
+    try:
+        with tempfile.TemporaryDirectory(dir=probe, prefix=".clover-write-test-"):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"{what} {dest}: cannot write into {probe} ({e.strerror or e})") from None
+    return dest
+
+
+def stale_temporaries(dest: str) -> list[str]:
+    """`<dest>.tmp-*` directories that an earlier killed write left behind."""
+    return sorted(glob.glob(glob.escape(os.path.abspath(dest)) + ".tmp-*"))
+
+
+def _report_stale(dest: str, force: bool) -> None:
+    stale = stale_temporaries(dest)
+    if not stale or not is_primary():
+        return
+    if force:
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        print(f"clover: removed {len(stale)} unfinished {os.path.basename(dest)}.tmp-* left by an earlier "
+              "killed run", file=sys.stderr)
+    else:
+        print(f"clover: warning: {len(stale)} unfinished {os.path.basename(dest)}.tmp-* left by an earlier killed "
+              f"run ({', '.join(stale)}); delete them, or pass --force to have them removed", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
     """Yield a fresh temp dir next to `dest`; on success rename it to `dest`, on error delete it.
@@ -44,21 +98,23 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
     An existing `dest` is refused unless `force`; then it is swapped out only after the new
     directory is complete, so the old one survives any failure before that point. In a
     multi-process run every process gets the same temp dir (each writes its own shards into it);
-    process 0 creates and renames it, with barriers around both.
+    process 0 creates and renames it, with barriers around both. Unfinished `<dest>.tmp-*` directories of
+    an earlier killed run are reported, and removed when `force`.
     """
     dest = os.path.abspath(dest)
     if os.path.lexists(dest) and not force:
-        raise CheckpointError(f"destination {dest} already exists (use --force / force=True to replace it)")
+        raise CheckpointError(f"destination {dest} already exists (pass --force / force=True to replace it)")
+    _report_stale(dest, force)
     parent = os.path.dirname(dest)
     token = _shared_token()
     tmp = f"{dest}.tmp-{token}"
     if is_primary():
         os.makedirs(parent, exist_ok=True)
         os.mkdir(tmp)
-    _sync(f"clover-atomic-mkdir-{token}")
+    sync_processes(f"clover-atomic-mkdir-{token}")
     try:
         yield tmp
-        _sync(f"clover-atomic-written-{token}")
+        sync_processes(f"clover-atomic-written-{token}")
         if is_primary():
             _fsync_dir(tmp)
             if os.path.lexists(dest):
@@ -69,7 +125,7 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
             else:
                 os.rename(tmp, dest)
             _fsync_dir(parent)
-        _sync(f"clover-atomic-renamed-{token}")
+        sync_processes(f"clover-atomic-renamed-{token}")
     except BaseException:
         if is_primary():
             shutil.rmtree(tmp, ignore_errors=True)

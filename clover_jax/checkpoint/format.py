@@ -3,6 +3,8 @@
     config.json        ModelConfig.to_dict()
     tokenizer files    whichever of tokenizer.TOKENIZER_FILES the source had
     weights/           an Orbax checkpoint of a flat {dotted weight name: array} dict
+    weights/clover_manifest.json   every file under weights/ with its size, checked by `verify` before
+                       any load (checkpoints from before it load without one)
 
 Weight names are `params.named_leaves` paths (e.g. `moe_layers.mlp.gate`), so the on-disk tree does
 not depend on how the dataclasses nest and a mismatch can name the weight. Restore goes straight into
@@ -21,15 +23,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from clover_jax.checkpoint.atomic import atomic_directory, is_primary
+from clover_jax.checkpoint.atomic import atomic_directory, is_primary, sync_processes
+from clover_jax.checkpoint.verify import CONFIG_FILE, WEIGHTS_DIR, orbax_errors, verify, write_manifest
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CheckpointError, ConfigError
 from clover_jax.model import params
 from clover_jax.tokenizer import TOKENIZER_FILES
-
-CONFIG_FILE = "config.json"
-WEIGHTS_DIR = "weights"
-
 
 
 def copy_tokenizer_files(src_dir: str | None, dst_dir: str) -> list[str]:
@@ -128,6 +127,9 @@ def save_model(path: str, cfg: ModelConfig, weights: params.Weights, tokenizer_d
         ckptr.save(os.path.join(tmp, WEIGHTS_DIR), flat, save_args={n: _save_args(n, a) for n, a in flat.items()})
         ckptr.wait_until_finished()
         ckptr.close()
+        sync_processes("clover-weights-written")  # every process's shards are in place before the manifest lists them
+        if is_primary():
+            write_manifest(os.path.join(tmp, WEIGHTS_DIR))
     return os.path.abspath(path)
 
 
@@ -148,23 +150,11 @@ def _save_args(name: str, a: Any) -> Any:
 
 
 def _check_dir(path: str) -> str:
-    path = os.path.abspath(path)  # Orbax resolves relative paths against its own idea of the cwd
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint directory {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        raise CheckpointError(f"{path!r} is not a native checkpoint: no {CONFIG_FILE}")
-    wdir = os.path.join(path, WEIGHTS_DIR)
-    if not os.path.isdir(wdir):
-        hint = (" (it looks like a HuggingFace checkpoint: run `clover convert` first)"
-                if any(f.endswith(".safetensors") for f in os.listdir(path)) else "")
-        raise CheckpointError(f"{path!r} is not a native checkpoint: no {WEIGHTS_DIR}/ directory{hint}")
-    return wdir
+    """`verify.verify`: the absolute weights directory of a whole native checkpoint, else CheckpointError."""
+    return verify(path)
 
 
-def load_checkpoint_config(path: str) -> ModelConfig:
-    """The ModelConfig of the native checkpoint at `path`; CheckpointError if `path` is not one or
-    its config.json is not a valid config."""
-    _check_dir(path)
+def _read_config(path: str) -> ModelConfig:
     try:
         with open(os.path.join(path, CONFIG_FILE)) as f:
             d = json.load(f)
@@ -173,22 +163,32 @@ def load_checkpoint_config(path: str) -> ModelConfig:
         raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} is not a valid config: {e}") from e
 
 
-def stored_leaves(path: str) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{name: (shape, dtype)} of the arrays in a native checkpoint, from metadata only."""
-    wdir = _check_dir(path)
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            tree = ckptr.metadata(wdir).item_metadata.tree
-    except Exception as e:  # orbax raises assorted types for a damaged directory
-        raise CheckpointError(f"cannot read the weights metadata in {wdir}: {e}") from e
+def _read_leaves(path: str, wdir: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+    with orbax_errors(path, "the weights metadata"), ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(wdir)
+        tree = meta.item_metadata.tree
     return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in tree.items()}
+
+
+def load_checkpoint_config(path: str) -> ModelConfig:
+    """The ModelConfig of the native checkpoint at `path`; CheckpointError if `path` is not one, is
+    damaged (`verify.verify`) or its config.json is not a valid config."""
+    _check_dir(path)
+    return _read_config(path)
+
+
+def stored_leaves(path: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{name: (shape, dtype)} of the arrays in a native checkpoint, from metadata only (after `verify`)."""
+    return _read_leaves(path, _check_dir(path))
 
 
 def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, params.Weights]:
     """Read a native checkpoint into `shardings` (a tree matching params.abstract(cfg), e.g. from
-    sharding.weight_shardings; default: the first device). Each device reads only its own shard."""
-    cfg = load_checkpoint_config(path)
-    check_leaves(cfg, stored_leaves(path), f"checkpoint {path!r}")
+    sharding.weight_shardings; default: the first device). Each device reads only its own shard.
+    The directory is checked first (`verify.verify`); any Orbax error becomes a one-line CheckpointError."""
+    wdir = _check_dir(path)
+    cfg = _read_config(path)
+    check_leaves(cfg, _read_leaves(path, wdir), f"checkpoint {path!r}")
     specs = expected_leaves(cfg)
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -199,6 +199,6 @@ def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, params.We
             raise CheckpointError("the shardings tree does not match the checkpoint's weights: "
                                   f"differs in {sorted(set(shard_by_name) ^ set(specs))}")
     target = {n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard_by_name[n]) for n, s in specs.items()}
-    with ocp.StandardCheckpointer() as ckptr:
-        flat = ckptr.restore(_check_dir(path), target)
+    with orbax_errors(path, "the weights"), ocp.StandardCheckpointer() as ckptr:
+        flat = ckptr.restore(wdir, target)
     return cfg, unflatten_weights(cfg, flat)

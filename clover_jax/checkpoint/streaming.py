@@ -28,6 +28,7 @@ from clover_jax.checkpoint.format import (
     stored_leaves,
     write_metadata_files,
 )
+from clover_jax.checkpoint.verify import orbax_errors, write_manifest
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CheckpointError
 
@@ -114,16 +115,18 @@ def save_streaming(path: str, cfg: ModelConfig, leaves: Mapping[str, LazyLeaf], 
         write_metadata_files(tmp, cfg, tokenizer_dir, extra_files)
         with ocp.PyTreeCheckpointer() as ckptr:
             ckptr.save(os.path.join(tmp, WEIGHTS_DIR), dict(leaves))
+        write_manifest(os.path.join(tmp, WEIGHTS_DIR))
     return os.path.abspath(path)
 
 
 class WeightReader:
     """Reads a native checkpoint's arrays (or one slice of their leading axis) to host numpy,
-    without loading the rest: for conversion to other formats."""
+    without loading the rest: for conversion to other formats. The directory is checked first
+    (`verify.verify`); an error reading it later is a one-line CheckpointError."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.config = load_checkpoint_config(path)
+        self.config = load_checkpoint_config(path)  # verifies the directory before anything reads it
         self.leaves = stored_leaves(path)
         check_leaves(self.config, self.leaves, f"checkpoint {path!r}")
         wdir = os.path.abspath(os.path.join(path, WEIGHTS_DIR))
@@ -141,7 +144,8 @@ class WeightReader:
                 raise CheckpointError(f"no weight {name!r} in {self.path}")
             kv = dict(self._kv)
             kv["path"] = name if kv["driver"] == "ocdbt" else kv["path"] + name
-            self._open[name] = ts.open({"driver": self._driver, "kvstore": kv}, open=True).result()
+            with orbax_errors(self.path, f"weight {name!r}"):
+                self._open[name] = ts.open({"driver": self._driver, "kvstore": kv}, open=True).result()
         return self._open[name]
 
     def chunk_shape(self, name: str) -> tuple[int, ...]:
@@ -151,4 +155,5 @@ class WeightReader:
     def read(self, name: str, index: Any = None) -> np.ndarray:
         """The whole array, or `array[index]` (an int or a tuple of slices) read from disk alone."""
         t = self._store(name)
-        return np.asarray((t if index is None else t[index]).read().result())
+        with orbax_errors(self.path, f"weight {name!r}"):
+            return np.asarray((t if index is None else t[index]).read().result())
