@@ -148,9 +148,17 @@ class PickleSource:
         for name in files:
             path = os.path.join(directory, name)
             try:
-                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as e:  # a legacy (non-zip) pickle cannot be memory-mapped: read it whole
+                    if "mmap" not in str(e):
+                        raise
+                    sd = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:
-                raise ConversionError(f"cannot load {path} with torch.load(weights_only=True): {e}") from e
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConversionError(f"{path}: refused by torch.load(weights_only=True), which loads only tensors "
+                                      f"and plain containers (this file holds something else, or is no PyTorch "
+                                      f"checkpoint): {first}") from None
             for key, t in sd.items():
                 if not isinstance(t, torch.Tensor):
                     raise ConversionError(f"{path}: entry {key!r} is not a tensor")

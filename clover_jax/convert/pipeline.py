@@ -29,6 +29,7 @@ from clover_jax.checkpoint import LazyLeaf, WeightReader
 from clover_jax.checkpoint.format import key_problems, summary
 from clover_jax.config import ModelConfig
 from clover_jax.convert import clover, hf_io, llada2_moe, llada_moe, mapping, qwen3_5_moe, qwen3_moe
+from clover_jax.convert.hf_extras import write_hf_extras
 from clover_jax.errors import ConversionError
 
 # The HF families by name (a native config's `family`, or what `--family` names).
@@ -56,8 +57,7 @@ def convert(src: str, dst: str, **kw: Any) -> str:
     """
     if not os.path.isdir(src):
         raise ConversionError(f"source {src!r} is not a directory")
-    if os.path.lexists(dst) and not kw.get("force"):
-        raise ConversionError(f"destination {dst} already exists (use --force to replace it)")
+    checkpoint.check_destination(dst, bool(kw.get("force")), sources=(src,))
     if is_native(src):
         kw.pop("allow_pickle", None)
         kw.pop("mask_token_id", None)
@@ -155,7 +155,14 @@ def _rows_per_block(shape: tuple[int, ...], dtype: Any) -> int:
     return max(1, min(shape[0], ROW_BLOCK_BYTES // max(row, 1)))
 
 
-def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> LazyLeaf:
+def _count_nonfinite(counts: dict[str, int], name: str, a: np.ndarray) -> None:
+    if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16":
+        n = int(a.size - np.count_nonzero(np.isfinite(a.astype(np.float32, copy=False))))
+        if n:
+            counts[name] = counts.get(name, 0) + n
+
+
+def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any, bad: dict[str, int]) -> LazyLeaf:
     """embed [V, D] (HF rows = native rows) or lm_head (HF [V, D] rows = native [D, V] columns)."""
     hf_shape = source.tensors[key].shape
     rows = _rows_per_block(hf_shape, spec.dtype)
@@ -163,6 +170,7 @@ def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any) -> L
     def read(idx: tuple[slice, ...]) -> np.ndarray:
         sl = idx[1] if transpose else idx[0]
         a = source.get_rows(key, sl.start, sl.stop).astype(spec.dtype, copy=False)
+        _count_nonfinite(bad, key, a)
         bar.update(a.nbytes)
         return np.ascontiguousarray(a.T) if transpose else a
 
@@ -208,11 +216,13 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
             raise ConversionError(f"internal: family {mod.NAME} does not produce {summary(missing)}")
 
         bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()), "import", progress)
+        bad: dict[str, int] = {}  # native weight -> NaN / Inf values seen while streaming it
 
         def lazy(name: str, spec: Any) -> LazyLeaf:
             stacked = "layers." in name
             if name in ("embed", "lm_head"):  # the largest tensors: in row blocks, never whole
-                return _rows_leaf(source, slot_of[(name, None)][0].hf[0], spec, transpose=name == "lm_head", bar=bar)
+                return _rows_leaf(source, slot_of[(name, None)][0].hf[0], spec, transpose=name == "lm_head", bar=bar,
+                                  bad=bad)
 
             g0 = slot_of[(name, 0 if stacked else None)][0]
             chunk = None
@@ -228,6 +238,7 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
                 else:
                     out = g.to_native(_Lazy(source, g.hf))[pos]
                 out = np.asarray(out).astype(spec.dtype, copy=False)
+                _count_nonfinite(bad, name, out)
                 bar.update(out.nbytes)
                 return out[None] if stacked else out
 
@@ -240,6 +251,10 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
                                    extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
         finally:
             bar.close()
+        if bad:
+            print(f"clover convert: warning: {sum(bad.values())} NaN/Inf values in {len(bad)} weights ("
+                  + ", ".join(f"{k}: {v}" for k, v in sorted(bad.items())[:6]) + (", ..." if len(bad) > 6 else "")
+                  + f"); the checkpoint {src} itself holds them", file=sys.stderr)
         return out
     finally:
         source.close()
@@ -288,6 +303,7 @@ def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes:
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(hf_cfg, f, indent=2, sort_keys=True)
             checkpoint.copy_tokenizer_files(src, tmp)
+            write_hf_extras(tmp, src, cfg, hf_cfg)
             writer = hf_io.ShardedWriter(tmp, plan, max_shard_bytes)
             i = 0
             for g in groups:
