@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from clover_jax import compile_cache, kernels
 from clover_jax.config import ModelConfig
 from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
@@ -109,6 +110,7 @@ class SamplerStats:
     rows: int
     wall_s: float  # the compiled loop, excluding compilation
     compile_s: float  # 0 when the program was already compiled
+    compile_cached: bool = False  # the traced program came from the on-disk cache (another process traced it)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -123,7 +125,8 @@ class SamplerStats:
     def line(self) -> str:
         """One human-readable line of these figures (what `clover generate` prints)."""
         return (f"{self.nfe} forward passes, {self.tokens_per_pass:.2f} tokens/pass, {self.tokens} tokens in "
-                f"{self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); compile {self.compile_s:.1f} s")
+                f"{self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); compile {self.compile_s:.1f} s"
+                + (" (from the compile cache)" if self.compile_cached else ""))
 
 
 @dataclass
@@ -281,21 +284,54 @@ def compile_count() -> int:
     return _COMPILES[0]
 
 
-def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, batch: Batch,
-                     knobs: Knobs) -> tuple[Callable[..., ProgramOut], float]:
-    """The AOT-compiled program for these static settings, and the seconds spent compiling it now."""
+def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, batch: Batch, knobs: Knobs,
+                     on_compile: Callable[[str], None] | None = None) -> tuple[Callable[..., ProgramOut], float, bool]:
+    """The AOT-compiled program for these static settings, the seconds spent compiling it now, and
+    whether it came from the on-disk cache (`compile_cache`; used when it is on, for one-device programs
+    without a progress callback, which a serialized program cannot hold)."""
     key = (spec, forward_fn)
     if key in _PROGRAMS:
         _PROGRAMS.move_to_end(key)
-        return _PROGRAMS[key], 0.0
+        return _PROGRAMS[key], 0.0, False
     t0 = time.perf_counter()
-    fn = jax.jit(run_program, static_argnums=(0, 1))
-    exe = fn.lower(spec, forward_fn, weights, batch.prompt, batch.lengths, batch.start, knobs).compile()
+    args = (weights, batch.prompt, batch.lengths, batch.start, knobs)
+    from_disk = False
+    disk = compile_cache.directory() is not None and not spec.progress and spec.mesh is None
+    if on_compile is not None:
+        on_compile(f"compiling the sampler for {spec.batch} x {spec.prompt_len + spec.gen_length} tokens "
+                   + ("(or loading it from the compile cache) ..." if disk else "(once per shape) ..."))
+    if disk:
+        exe, from_disk = _exported_program(spec, forward_fn, args)
+    else:
+        exe = jax.jit(run_program, static_argnums=(0, 1)).lower(spec, forward_fn, *args).compile()
     _PROGRAMS[key] = exe
     while len(_PROGRAMS) > _MAX_PROGRAMS:
         _PROGRAMS.popitem(last=False)
     _COMPILES[0] += 1
-    return exe, time.perf_counter() - t0
+    return exe, time.perf_counter() - t0, from_disk
+
+
+def _exported_program(spec: ProgramSpec, forward_fn: ForwardFn, args: tuple) -> tuple[Callable[..., ProgramOut], bool]:
+    """The program traced once per machine (`compile_cache.load_or_export`) and compiled through JAX's
+    persistent cache; it takes and returns flat arrays, wrapped back into the usual signature."""
+    leaves, treedef = jax.tree.flatten(args)
+    has_logits = spec.record_logits
+
+    def flat(*xs: Any) -> tuple:
+        out = run_program(spec, forward_fn, *jax.tree.unflatten(treedef, xs))
+        return tuple(out[:4]) + ((out.logits,) if has_logits else ())
+
+    avals = [(tuple(np.shape(x)), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
+             for x in leaves]
+    key = repr((spec, forward_fn, treedef, avals, jax.devices()[0].platform, kernels.available()))
+    exp, from_disk = compile_cache.load_or_export(key, flat, leaves, kernels.TARGET_NAMES)
+    exe = jax.jit(exp.call).lower(*leaves).compile()
+
+    def call(*a: Any) -> ProgramOut:
+        out = exe(*jax.tree.leaves(a))
+        return ProgramOut(*out[:4], out[4] if has_logits else None)
+
+    return call, from_disk
 
 
 def resolve_cache(cfg: ModelConfig, cache: str) -> str:
@@ -338,6 +374,7 @@ def generate(
     prompt_len: int | None = None,
     dispatch: str | None = None,
     mesh: MeshRules | None = None,
+    on_compile: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     """Fill `gen_length` masked positions after each prompt (lists of token ids).
 
@@ -346,6 +383,7 @@ def generate(
     batch / prompt_len: force the buckets (default: next power of two rows, block_length * 2^k columns).
     dispatch: the MoE dispatch; default the config's, or `moe.choose_dispatch(mesh)` on a mesh.
     mesh: run sharded on this mesh (weights already in `model.weight_shardings` of it); None: one device.
+    on_compile(message): called before a program is compiled (not when this process already has it).
     """
     validate(cfg, sc, prompts)
     if forward_fn is None:
@@ -364,7 +402,7 @@ def generate(
                        guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits,
                        mesh=mesh, block_grid=grid)
     knobs = knobs_for(sc, cfg, g // sc.block_length)
-    exe, compile_s = compiled_program(spec, forward_fn, weights, inputs, knobs)
+    exe, compile_s, cached = compiled_program(spec, forward_fn, weights, inputs, knobs, on_compile)
     if progress is not None and inputs.tail.any():  # report each row's generated columns only
         user, tail = progress, inputs.tail
 
@@ -390,7 +428,7 @@ def generate(
         result_tokens.append([int(x) for x in row[:end]])
         finished.append(bool(hits.size))
     stats = SamplerStats(nfe=int(out.nfe), steps=int(out.steps), tokens=int(np.asarray(out.committed)[:n].sum()),
-                         rows=n, wall_s=wall, compile_s=compile_s)
+                         rows=n, wall_s=wall, compile_s=compile_s, compile_cached=cached)
     logits = None if out.logits is None else np.stack(
         [np.asarray(out.logits)[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
     return GenerateResult(result_tokens, finished, raw, stats, logits)
