@@ -1,15 +1,21 @@
 """`clover` command line: one module in clover_jax/commands per subcommand, listed in COMMANDS.
 
 Each command module defines `register(subparsers)` and a `run(args)`. Any `CloverError` (the base of
-every error a user can cause) is printed as one line with exit code 2; anything else is a bug and
-keeps its traceback.
+every error a user can cause) and any OSError on a file the user named (a read-only filesystem, a
+directory where a file should be) is printed as one line with exit code 2; `--debug` or
+`CLOVER_DEBUG=1` shows the traceback as well. Anything else is a bug and keeps its traceback.
+Compiled programs are cached on disk across runs (`compile_cache`; `--compile-cache DIR|off` or
+`$CLOVER_COMPILE_CACHE`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
+from clover_jax import compile_cache
 from clover_jax.commands import convert, generate, info, plan, tokenizer, train
 from clover_jax.errors import CloverError
 from clover_jax.version import __version__
@@ -22,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clover", description="Clover-JAX: masked-diffusion MoE language models in JAX.")
     parser.add_argument("--version", action="version", version=f"clover-jax {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error too (or set CLOVER_DEBUG=1)")
+    parser.add_argument("--compile-cache", metavar="DIR|off", default=None,
+                        help=f"where compiled programs are kept across runs (default ${compile_cache.ENV}, else "
+                             f"{compile_cache.default_dir()}); off: compile from scratch every time")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
@@ -35,14 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    debug = args.debug or os.environ.get("CLOVER_DEBUG", "") not in ("", "0")
+    compile_cache.configure(args.compile_cache)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except CloverError as e:
-        print(f"clover {args.command}: error: {e}", file=sys.stderr)
+    except (CloverError, OSError) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"clover {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of `e`; an OSError as 'PATH: reason'."""
+    if isinstance(e, OSError) and not isinstance(e, CloverError) and e.strerror:
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+        return f"{where}: {e.strerror}" if where else e.strerror
+    return str(e) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -411,5 +411,14 @@ def load_config(path_or_name: str) -> ModelConfig:
     if not os.path.exists(path):
         raise ConfigError(
             f"{path_or_name!r} is neither a preset ({', '.join(preset_names())}) nor a config.json path")
-    with open(path) as f:
-        return ModelConfig.from_dict(json.load(f))
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    try:
+        return ModelConfig.from_dict(d)
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -131,7 +131,10 @@ def _load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenize
         try:
             tok = load_tokenizer(model)
         except (OSError, RuntimeError) as e:  # sentencepiece raises RuntimeError/OSError on a bad file
-            raise UsageError(f"cannot read the tokenizer in {model}: {e}") from e
+            raise UsageError(f"cannot read the tokenizer in {model}: {' '.join(str(e).split())}") from None
+        if isinstance(tok, ByteTokenizer):
+            print(f"clover generate: warning: {model} has no tokenizer.model: using the byte tokenizer (ids are "
+                  "raw UTF-8 bytes, which only suits a model trained on them)", file=sys.stderr)
     else:
         print(f"clover generate: warning: {model!r} is a preset: RANDOM weights and the byte tokenizer "
               "(pass --model <checkpoint dir> for a trained model)", file=sys.stderr)
@@ -207,6 +210,14 @@ def model_sampler_defaults(model: str) -> dict[str, Any]:
     for key, value in doc.items():
         key = _HF_NAMES.get(key, key)
         if key in SAMPLER_DEFAULTS:
+            default = SAMPLER_DEFAULTS[key]
+            if value is None and default is None:
+                out[key] = None
+                continue
+            kinds = (int, float) if isinstance(default, float) else (type(default),) if default is not None else (int,)
+            if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, kinds):
+                raise UsageError(f"{path}: {key} must be {'a number' if float in kinds else kinds[0].__name__}, "
+                                 f"got {json.dumps(value)}")
             out[key] = value
     return out
 
@@ -220,6 +231,35 @@ def sampler_config(args: argparse.Namespace, model_defaults: dict[str, Any] | No
     return SamplerConfig(**settings, eos_stop=not args.no_eos_stop)
 
 
+def _note(message: str) -> None:
+    print(f"clover generate: {message}", file=sys.stderr, flush=True)
+
+
+def check_output(output: str, input_path: str | None) -> None:
+    """UsageError, before any work, for an --output that is a directory, the input itself, or not writable."""
+    path = os.path.abspath(output)
+    if os.path.isdir(path):
+        raise UsageError(f"--output {output!r} is a directory; name a .jsonl file")
+    if input_path and os.path.exists(path) and os.path.samefile(path, input_path):
+        raise UsageError(f"--output {output!r} is the --input file; results would be appended to the prompts")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise UsageError(f"--output {output!r}: its directory does not exist")
+    target = path if os.path.exists(path) else parent
+    if not os.access(target, os.W_OK):
+        raise UsageError(f"--output {output!r}: {target} is not writable")
+
+
+def warn_steps(sc: SamplerConfig) -> None:
+    """A warning when --steps is not what runs: split over the blocks with a remainder, or more steps per
+    block than the block has tokens (a block ends when it has no mask left)."""
+    per_block = sc.total_steps // sc.n_blocks
+    runs = min(per_block, sc.block_length) * sc.n_blocks
+    if runs != sc.total_steps:
+        print(f"clover generate: warning: --steps {sc.total_steps} over {sc.n_blocks} blocks of {sc.block_length} "
+              f"runs at most {runs} steps ({min(per_block, sc.block_length)} per block)", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Check every flag and prompt, load the model, then generate (one prompt, or a --input job)."""
     if (args.prompt is None) == (args.input is None):
@@ -228,11 +268,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--input needs --output out.jsonl")
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise UsageError(f"--output {args.output!r}: its directory does not exist")
+    if args.output:
+        check_output(args.output, args.input)
     model = args.model or default_model()
-    sc = sampler_config(args, model_sampler_defaults(model) if os.path.isdir(model) else None)
+    stored = model_sampler_defaults(model) if os.path.isdir(model) else {}
+    sc = sampler_config(args, stored)
     check_settings(sc)  # the knobs, before reading or loading anything
+    from_model = {k: v for k, v in stored.items() if getattr(args, k) is None and v != SAMPLER_DEFAULTS[k]}
+    if from_model:
+        print(f"clover generate: from {os.path.join(model, 'generation_config.json')}: "
+              + ", ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override them)", file=sys.stderr)
+    warn_steps(sc)
     if args.dispatch is not None:
         try:
             get_dispatch(args.dispatch)
@@ -263,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, cfg: ModelConfig, weights: Any, tok: Tokenizer, sc: SamplerConfig, text: str,
              ids: list[int], mesh: MeshRules | None) -> int:
     show = make_show(tok, cfg, text) if args.show else None
-    res = generate(weights, cfg, [ids], sc, progress=show, mesh=mesh, dispatch=args.dispatch)
+    res = generate(weights, cfg, [ids], sc, progress=show, mesh=mesh, dispatch=args.dispatch, on_compile=_note)
     print(tok.decode(res.tokens[0]))
     print(res.stats.line(), file=sys.stderr)
     return 0
@@ -277,7 +323,7 @@ def _run_batch(args: argparse.Namespace, cfg: ModelConfig, weights: Any, tok: To
     def run_batch(chunk: Sequence[tuple[Any, str, list[int]]]) -> list[dict]:
         show = make_show(tok, cfg, chunk[0][1]) if args.show else None
         res = generate(weights, cfg, [ids for _, _, ids in chunk], sc, progress=show, batch=bucket, mesh=mesh,
-                       dispatch=args.dispatch)
+                       dispatch=args.dispatch, on_compile=_note)
         st = res.stats
         stats.append(st)
         return [{"id": rid, "prompt": text, "text": tok.decode(out), "tokens": len(out), "finished": fin,

@@ -21,25 +21,37 @@ from clover_jax.errors import UsageError
 
 def read_jobs(path: str) -> list[tuple[Any, str]]:
     """(id, prompt) per non-empty line; a line without an id gets its index. UsageError naming the line."""
-    jobs, seen = [], set()
+    jobs: list[tuple[Any, str]] = []
+    seen: dict[Any, tuple[int, bool]] = {}  # id -> (line, explicit)
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
     except OSError as e:
-        raise UsageError(f"cannot read --input {path!r}: {e}") from e
-    for n, line in enumerate(lines, 1):
+        raise UsageError(f"cannot read --input {path!r}: {e.strerror or e}") from None
+    for n, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise UsageError(f"{path}:{n}: each line must be an object with a string \"prompt\"")
-        rid = obj.get("id", len(jobs))
+        explicit = "id" in obj
+        rid = obj["id"] if explicit else len(jobs)
+        if isinstance(rid, bool) or not isinstance(rid, int | str):
+            raise UsageError(f"{path}:{n}: \"id\" must be a string or an integer, got {json.dumps(rid)}")
         if rid in seen:
-            raise UsageError(f"{path}:{n}: duplicate id {rid!r}")
-        seen.add(rid)
+            line0, explicit0 = seen[rid]
+            why = ("" if explicit and explicit0 else
+                   " (a line without an id gets its 0-based position among the prompts: give every line an id, "
+                   "or none)")
+            raise UsageError(f"{path}:{n}: id {rid!r} is also the id of line {line0}{why}")
+        seen[rid] = (n, explicit)
         jobs.append((rid, obj["prompt"]))
     return jobs
 

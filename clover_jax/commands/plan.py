@@ -1,9 +1,17 @@
-"""`clover plan`: does a config fit a mesh layout, and what does one denoising pass cost?"""
+"""`clover plan`: does a config fit a mesh layout, and what does one denoising pass cost?
+
+Exit status: 0 when the plan fits the chips' memory, 3 when it does not (2: bad input), so scripts can
+branch on it. Long stages (the AOT compile) report their elapsed time every 15 s.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from clover_jax.config import load_config
 from clover_jax.errors import PlanError
@@ -17,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="per-chip memory and pass cost of a config on a mesh layout (TPU: AOT-compiled, no TPU needed)",
         description="TPU layouts are AOT-compiled for the slice's topology with libtpu (works on a CPU-only host); "
-                    "GPU/CPU layouts are planned by arithmetic.")
+                    "GPU/CPU layouts are planned by arithmetic. Exit status 0: it fits; 3: it does not fit.")
     p.add_argument("--config", default="clover-35b-a3b", help="preset name or path to config.json")
     p.add_argument("--mesh", required=True, help="mesh layout: a name from sharding/ (e.g. tpu-v5e-8) or a .toml path")
     p.add_argument("--batch", type=int, default=None, help="sequences per pass (default: the data-parallel size)")
@@ -42,8 +50,34 @@ def run(args: argparse.Namespace) -> int:
     seq_len = min(4096, cfg.max_seq_len) if args.seq_len is None else args.seq_len
     if seq_len <= 0 or (args.batch is not None and args.batch <= 0):
         raise PlanError("--seq-len and --batch must be positive")
-    plan = make_plan(cfg, layout, batch=args.batch, seq_len=seq_len, block=args.block,
-                     dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip,
-                     progress=lambda s: print(f"[plan] {s} ...", file=sys.stderr, flush=True))
+    with stages() as stage:
+        plan = make_plan(cfg, layout, batch=args.batch, seq_len=seq_len, block=args.block,
+                         dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip, progress=stage)
     print(format_plan(plan))
-    return 0
+    return 0 if plan.fits else 3
+
+
+@contextmanager
+def stages(every_s: float = 15.0) -> Iterator[object]:
+    """A progress function for `make_plan`: prints each stage, then its elapsed time every `every_s`
+    seconds until the next stage starts or the block ends."""
+    current: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def stage(name: str) -> None:
+        current[:] = [(name, time.monotonic())]
+        print(f"[plan] {name} ...", file=sys.stderr, flush=True)
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            if current:
+                name, t0 = current[0]
+                print(f"[plan] {name} ... {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield stage
+    finally:
+        done.set()
+        thread.join()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from clover_jax.tokenizer import load_tokenizer, read_training_text, train_sentencepiece
+from clover_jax.tokenizer.train import check_output
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--vocab-size", type=int, required=True, help="pieces in all, including 262 reserved")
     t.add_argument("--output", required=True, help="directory to write tokenizer.model into")
     t.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
+    t.add_argument("--force", action="store_true", help="replace an existing tokenizer.model in --output")
     t.add_argument("--holdout", type=float, default=0.0,
                    help="leave out the last fraction of the file (keep eval text unseen), e.g. 0.05")
     t.set_defaults(func=run)
@@ -25,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train tokenizer.model from the text file and print its size and compression."""
+    check_output(args.output, args.force)  # before reading or training anything
     text = read_training_text(args.input, args.holdout)
-    path = train_sentencepiece(text, args.vocab_size, args.output, args.model_type)
+    path = train_sentencepiece(text, args.vocab_size, args.output, args.model_type, force=args.force)
     tok = load_tokenizer(args.output)
     n = len(tok.encode(text[:100_000]))
     print(f"wrote {path}: {tok.vocab_size} pieces, {min(len(text), 100_000) / max(n, 1):.2f} characters per token")

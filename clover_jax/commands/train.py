@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from clover_jax.checkpoint import load_model, save_model
+from clover_jax.checkpoint import check_destination, load_model, save_model
 from clover_jax.commands.model_card import model_card
 from clover_jax.config import load_config
 from clover_jax.errors import UsageError
@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="directory with tokenizer.model / tokenizer.json (default: byte-level, vocab >= 260)")
     p.add_argument("--holdout", type=float, default=0.05, help="last fraction of the data kept for eval")
     p.add_argument("--out", required=True, help="run directory: Orbax training checkpoints (resumed if present)")
-    p.add_argument("--export", default=None, help="write the final model here (native checkpoint + MODEL_CARD.md)")
+    p.add_argument("--export", default=None,
+                   help="write the final model here (native checkpoint + MODEL_CARD.md; must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="let --export replace an existing directory (atomically)")
     p.add_argument("--init-from", default=None, help="start from the weights of a native checkpoint (e.g. for SFT)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
@@ -94,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--data", args.data), ("--sft", args.sft)):
         if path is not None and not os.path.isfile(path):
             raise UsageError(f"{flag} {path!r} does not exist")
+    if args.export:  # refused now, not after the training run
+        check_destination(args.export, args.force, sources=(args.out,), what="--export")
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         raise UsageError(f"--tokenizer {args.tokenizer!r} is not a directory")
     try:
@@ -128,15 +132,17 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--init-from {args.init_from} holds config {icfg.name!r}, which differs from --config")
 
     res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, stop_at=args.stop_at,
-                progress=not args.no_progress, init_weights=init_weights)
+                progress=not args.no_progress, init_weights=init_weights, eval_at_end=False)
     proto = EvalProtocol()
+    print("final evaluation ...", file=sys.stderr, flush=True)
     final = evaluate(res.state.weights, cfg, eval_data.eval_batches(proto.n_seqs), proto, tc.dispatch)
     print(json.dumps({"step": int(res.state.step), **final, "tokens_seen": res.total_tokens,
                       "wall_s": round(res.total_wall_s, 1)}))
     if args.export:
         card = model_card(cfg, tc, args.data or args.sft, args.holdout, res, final, proto, n_train_tokens,
                           sys.argv[1:])
+        print(f"exporting the final model to {args.export} ...", file=sys.stderr, flush=True)
         save_model(args.export, cfg, res.state.weights, tokenizer_dir=args.tokenizer,
-                   extra_files={"MODEL_CARD.md": card}, force=True)
+                   extra_files={"MODEL_CARD.md": card}, force=args.force)
         print(f"wrote {args.export}")
     return 0

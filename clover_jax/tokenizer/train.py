@@ -44,14 +44,34 @@ def read_training_text(path: str, holdout: float = 0.0) -> str:
         raise TokenizerTrainError(f"input file {path!r} does not exist")
     if not 0.0 <= holdout < 1.0:
         raise TokenizerTrainError(f"holdout must be in [0, 1), got {holdout}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise TokenizerTrainError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     return text[: len(text) - int(len(text) * holdout)]
 
 
+def check_output(output_dir: str, force: bool) -> None:
+    """TokenizerTrainError when `output_dir` already holds a tokenizer.model and not `force`, or is a file."""
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise TokenizerTrainError(f"--output {output_dir} is not a directory")
+    probe = os.path.abspath(output_dir)
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK):
+        raise TokenizerTrainError(f"--output {output_dir}: {probe} is not writable")
+    if os.path.lexists(os.path.join(output_dir, "tokenizer.model")) and not force:
+        raise TokenizerTrainError(f"{os.path.join(output_dir, 'tokenizer.model')} already exists (pass --force to "
+                                  "replace it)")
+
+
 def train_sentencepiece(text: str, vocab_size: int, output_dir: str, model_type: str = "bpe",
-                        seed_sentences: int = 1_000_000) -> str:
-    """Train on `text`; write `output_dir/tokenizer.model` (atomically). Returns its path."""
+                        seed_sentences: int = 1_000_000, force: bool = False) -> str:
+    """Train on `text`; write `output_dir/tokenizer.model` (atomically; an existing one only with `force`).
+    Returns its path."""
+    check_output(output_dir, force)
     if vocab_size <= N_RESERVED:
         raise TokenizerTrainError(f"vocab_size {vocab_size} must exceed the {N_RESERVED} reserved pieces "
                                   "(specials, newline, 256 bytes)")

@@ -35,8 +35,11 @@ def read_text(path: str) -> str:
     """The UTF-8 text of a training file; DataError if it does not exist."""
     if not os.path.isfile(path):
         raise DataError(f"training data {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
 
 
 class TokenStream:
@@ -74,8 +77,12 @@ class PairDataset:
         if not os.path.isfile(path):
             raise DataError(f"SFT data {path!r} does not exist")
         rows, n_cut = [], 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
                 if not line.strip():
                     continue
                 try:

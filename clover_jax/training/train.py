@@ -72,6 +72,14 @@ class TrainConfig:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size {self.batch_size} must be divisible by grad_accum {self.grad_accum}")
+        for f in ("lr", "clip_norm"):
+            if not math.isfinite(getattr(self, f)) or getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be a positive number, got {getattr(self, f)}")
+        for f in ("weight_decay", "lb_coef", "z_coef"):
+            if not math.isfinite(getattr(self, f)) or getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 < self.noise_eps < self.noise_max <= 1:
             raise ValueError(f"need 0 < noise_eps < noise_max <= 1, got {self.noise_eps}, {self.noise_max}")
 
@@ -306,12 +314,15 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     init_weights: Any = None,
+    eval_at_end: bool = True,
 ) -> TrainResult:
     """Train from scratch or resume from the latest checkpoint in `ckpt_dir`.
 
     train_data / eval_data: objects with `batch(index, n) -> Batch` / `eval_batches(n) -> Batch`.
     mesh: train data-parallel / sharded on this mesh (weights in `params.weight_shardings` of it).
     stop_at: stop (and checkpoint) after this global step, as an interruption would.
+    eval_at_end: evaluate after the last step (off when the caller runs its own final evaluation).
+    Start-up (initialisation, restore, the first step's compile) is announced through `log`.
     """
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     tx = make_optimizer(cfg, tc)
@@ -324,6 +335,8 @@ def train(
         batch_sh = NamedSharding(mesh.mesh, PartitionSpec(None, data_axes or None, None))
     key = jax.random.PRNGKey(tc.seed)
     k_init, k_train = jax.random.split(key)
+    if init_weights is None:
+        log(f"initialising {cfg.name} ...")
     weights = init_weights if init_weights is not None else params.init(cfg, k_init, w_sh)
     opt_state = jax.jit(tx.init)(weights)
     state = TrainState(jnp.zeros((), jnp.int32), weights, opt_state, k_train)
@@ -387,6 +400,8 @@ def train(
     if progress:
         bar = tqdm(total=tc.steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     step = first
+    if first < last:
+        log("compiling the train step (the first step waits for it) ...")
     try:
         while step < last:
             b = train_data.batch(step, tc.batch_size)
@@ -405,7 +420,7 @@ def train(
             if step % tc.log_every == 0 or step == last:
                 log(f"step {step} " + " ".join(f"{k} {v:.4f}" for k, v in m.items())
                     + f" tok/s {n_tok / dt:.0f} elapsed {time.perf_counter() - t0:.0f}s")
-            if step % tc.eval_every == 0 or step == tc.steps:
+            if (step % tc.eval_every == 0 or step == tc.steps) and (eval_at_end or step < last):
                 run_eval(step)
             if mngr is not None and (step % tc.ckpt_every == 0 or step == last):
                 _save(mngr, state, {**meta_base, **totals(), "data_position": step})
