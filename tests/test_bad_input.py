@@ -136,6 +136,15 @@ def test_bad_outputs_are_refused_before_any_work(tmp_path, capsys):
     one_line_error(capsys, "is a directory")
     assert main(["generate", "--input", str(src), "--output", str(src), "--model", "test-clover"]) == 2
     one_line_error(capsys, "is the --input file")
+    try:  # /sys refuses new files even to root (access() would say yes): a read-only place to write to
+        with open("/sys/clover-probe", "w"):
+            pass
+        os.remove("/sys/clover-probe")
+    except OSError:
+        assert main(["generate", "--input", str(src), "--output", "/sys/out.jsonl", "--model", "test-clover"]) == 2
+        one_line_error(capsys, "cannot write there")
+        assert main(["convert", str(tmp_path), "/sys/converted", "--no-progress"]) == 2
+        one_line_error(capsys, "cannot write into /sys")
     assert src.read_text() == '{"prompt": "a"}\n'
 
 
