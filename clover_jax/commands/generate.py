@@ -130,6 +130,7 @@ def _load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenize
     mesh = mesh_from_arg(mesh_name)
     shardings = None if mesh is None else params.weight_shardings(cfg, mesh.mesh, mesh.rules)
     if is_dir:
+        print(f"clover generate: loading {model} ...", file=sys.stderr, flush=True)
         cfg, weights = load_model(model, shardings)
         try:
             tok = load_tokenizer(model)
