@@ -18,8 +18,9 @@ Cache modes (W = width of the window each step runs, NFE = forward passes):
   prefix  block-causal: prefill the prompt once; the first step of block j runs [block j-1, block j]
           (writing block j-1's final K/V and scoring block j in one pass), later steps run only
           block j against the cache. Exact. Bidirectional: the first step of each block is a full
-          pass that refreshes the whole cache; later steps run [block j .. end] (always G columns:
-          the cache has G extra padding columns) against the refreshed prefix. Approximate.
+          pass that refreshes the whole cache; later steps run [block j .. end] against the refreshed
+          prefix, in the narrowest of the static widths L, 2L, 4L, ..., G that holds it
+          (`window_widths`; the cache has G extra padding columns for the overhang). Approximate.
   dual    block-causal: same as prefix (later blocks are invisible anyway). Exact.
           Bidirectional: refresh at block start, then run only block j against the stale prefix
           and suffix (Fast-dLLM's dual cache). Approximate.
@@ -154,6 +155,17 @@ def _emit(tokens: np.ndarray, block: np.ndarray, nfe: np.ndarray) -> None:
         fn(np.asarray(tokens), int(block), int(nfe))
 
 
+def window_widths(gen_length: int, block_length: int) -> tuple[int, ...]:
+    """The static widths of the bidirectional prefix cache's [block j .. end] windows: L, 2L, 4L, ...
+    below G, then G. A window runs in the narrowest one that holds it, so later blocks cost less (one
+    compiled branch per width, chosen at run time)."""
+    out, w = [], block_length
+    while w < gen_length:
+        out.append(w)
+        w *= 2
+    return (*out, gen_length)
+
+
 def _dslice(x: Array, start: Array | int, size: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
@@ -273,9 +285,14 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         # block-causal: re-encode block j-1 (now final) into the cache and score block j in one pass
         return call(cv, cache, lo - bl, 2 * bl, bl)
 
+    widths = window_widths(g, bl)
+
     def later_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
         if bidir and mode == "prefix":
-            return call(cv, cache, lo, g, 0)  # [block j .. end], fixed width G
+            # [block j .. end] in the narrowest static width that holds it (the rest is padding)
+            which = jnp.searchsorted(jnp.asarray(widths), t - lo)
+            branches = [lambda c, k, x, w=w: call(c, k, x, w, 0) for w in widths]
+            return jax.lax.switch(which, branches, cv, cache, lo)
         return call(cv, cache, lo, bl, 0, commit=0)  # block j is not final: the Gated DeltaNet state stays
 
     def step(st: _State) -> _State:
