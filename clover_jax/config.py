@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from clover_jax.errors import ConfigError
+from clover_jax.jsonfile import read_object
 
 Family = Literal["clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe"]
 AttentionMode = Literal["bidirectional", "block_causal"]
@@ -411,13 +412,7 @@ def load_config(path_or_name: str) -> ModelConfig:
     if not os.path.exists(path):
         raise ConfigError(
             f"{path_or_name!r} is neither a preset ({', '.join(preset_names())}) nor a config.json path")
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: not a JSON object")
+    d = read_object(path, ConfigError)
     try:
         return ModelConfig.from_dict(d)
     except TypeError as e:

@@ -27,6 +27,7 @@ from clover_jax.checkpoint import load_checkpoint_config, load_model
 from clover_jax.commands import jobs
 from clover_jax.config import BD_GDN_MODES, ModelConfig, get_config, preset_names
 from clover_jax.errors import CloverError, SamplerError, UsageError
+from clover_jax.jsonfile import read_object
 from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params
@@ -203,13 +204,7 @@ def model_sampler_defaults(model: str) -> dict[str, Any]:
     path = os.path.join(model, "generation_config.json")
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise UsageError(f"{path}: not a JSON object")
+    doc = read_object(path, UsageError)
     out = {}
     for key, value in doc.items():
         key = _HF_NAMES.get(key, key)

@@ -45,6 +45,7 @@ import sentencepiece as spm
 
 from clover_jax.config import ModelConfig
 from clover_jax.errors import ConversionError
+from clover_jax.jsonfile import read_object
 from clover_jax.model.params import count_params
 from clover_jax.version import __version__
 
@@ -138,13 +139,7 @@ def _generation_config(tmp: str, src: str, cfg: ModelConfig) -> bool:
     path = os.path.join(src, GENERATION_CONFIG)
     native: dict[str, Any] = {}
     if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                native = json.load(f)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConversionError(f"{path}: not valid JSON ({e})") from e
-        if not isinstance(native, dict):
-            raise ConversionError(f"{path}: not a JSON object")
+        native = read_object(path, ConversionError)
     doc = {_HF_NAMES.get(k, k): v for k, v in native.items()}  # later keys win, as model_sampler_defaults reads
     for key, value in (("eos_token_id", cfg.eos_token_id), ("pad_token_id", cfg.pad_token_id),
                        ("mask_token_id", cfg.mask_token_id)):
