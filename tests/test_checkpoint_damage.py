@@ -155,7 +155,9 @@ def test_checkpoint_without_manifest(saved, tmp_path, capsys):
     os.truncate(victim, 0)
     with open(victim, "wb") as f:
         f.write(b"\0" * (size // 2))
-    last_line = r"cannot read the weights of checkpoint .*ckpt: OUT_OF_RANGE: Error reading .*not valid.*may be damaged"
+    # tensorstore's status code and detail depend on which chunk it decodes first (OUT_OF_RANGE "not valid",
+    # FAILED_PRECONDITION "Unknown frame descriptor", ...): the one line names the checkpoint and the damage
+    last_line = r"cannot read the weights of checkpoint .*ckpt: [A-Z_]+: Error reading .*may be damaged"
     with pytest.raises(checkpoint.CheckpointError, match=last_line) as e:
         checkpoint.load_model(old)
     assert "\n" not in str(e.value) and e.value.__cause__ is None
