@@ -1,12 +1,15 @@
 """Compiled programs that outlive the process, under one per-user directory.
 
 Two layers, both keyed so that a stale entry is never used:
-  xla/       JAX's persistent compilation cache (compiled executables, keyed by JAX on the HLO);
-  programs/  traced programs serialized with `jax.export` (StableHLO), keyed by everything the trace
-             depends on: the program's static description, the argument shapes and dtypes, the jax and
-             jaxlib versions, this package's own source files and whether the CPU kernels are in use.
-A second process then skips both tracing and compiling: `load_or_export` returns the traced program
-without running any Python of the model.
+  xla/       JAX's persistent compilation cache (compiled executables, keyed by JAX on the HLO), for
+             every jitted function;
+  programs/  whole compiled programs (`jax.experimental.serialize_executable`), keyed by everything
+             their trace depends on: the program's static description, the argument shapes and dtypes,
+             the jax / jaxlib versions and the backend's, this package's own source files and whether
+             the CPU kernels are in use.
+A second process then skips tracing, lowering and compiling: `load_or_compile` returns the compiled
+program without running any Python of the model. Entries are executable code: the directory must be
+the user's own (it is, by default), as for JAX's own cache.
 
 `configure()` turns it on: `clover` calls it at start-up, Python users may call it themselves. The
 place is `$CLOVER_COMPILE_CACHE` (a directory, or `off`), else `$XDG_CACHE_HOME/clover-jax`, else
@@ -80,30 +83,38 @@ def source_fingerprint() -> str:
     return h.hexdigest()
 
 
-def load_or_export(key: str, fn: Callable[..., Any], args: Sequence[Any],
-                   custom_calls: Sequence[str] = ()) -> tuple[jax.export.Exported, bool]:
-    """The traced program `fn(*args)` (args: a flat sequence of arrays), and whether it came from the
-    cache. `key` must describe everything else the trace depends on; `custom_calls`: the FFI targets
-    the program may call (exported with that safety check lifted; they must be registered to run).
-    A damaged entry is replaced; a failed write only costs the next process a trace."""
+def load_or_compile(key: str, fn: Callable[..., tuple], args: Sequence[Any]) -> tuple[Any, bool]:
+    """The compiled `jax.jit(fn)` for `args` (a flat sequence of arrays; `fn` returns a flat tuple of
+    arrays), and whether it came from the cache. `key` must describe everything else the trace depends
+    on (the FFI targets it calls must be registered before a load). A damaged entry is compiled again
+    and replaced; a failed write only costs the next process a compile."""
+    from jax.experimental import serialize_executable
+
     cache_dir = directory()
     if cache_dir is None:
         raise RuntimeError("compile_cache.configure() has not turned the cache on")
-    digest = hashlib.sha256(f"{source_fingerprint()}\n{key}".encode()).hexdigest()[:40]
-    path = os.path.join(cache_dir, "programs", f"{digest}.jaxexport")
+    device = jax.devices()[0]
+    full = f"{source_fingerprint()}\n{device.client.platform} {device.client.platform_version}\n{key}"
+    path = os.path.join(cache_dir, "programs", hashlib.sha256(full.encode()).hexdigest()[:40] + ".xla")
+    in_tree = jax.tree.structure((tuple(args), {}))
     if os.path.isfile(path):
         try:
             with open(path, "rb") as f:
-                return jax.export.deserialize(bytearray(f.read())), True
-        except Exception:  # a torn or foreign file: trace again and overwrite it
+                n_out = int.from_bytes(f.read(4), "little")
+                payload = f.read()
+            out_tree = jax.tree.structure(tuple(range(n_out)))
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=[device]), True
+        except Exception:  # a torn or foreign file: compile again and overwrite it
             pass
-    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in custom_calls]
-    exp = jax.export.export(jax.jit(fn), disabled_checks=checks)(*args)
+    compiled = jax.jit(fn).lower(*args).compile()
     try:
+        payload, _, out_tree = serialize_executable.serialize(compiled)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(exp.serialize())
+            f.write(out_tree.num_leaves.to_bytes(4, "little"))
+            f.write(payload)
         os.replace(tmp, path)
-    except OSError:
+    except Exception:  # not serializable here, or no room: this process still has its program
         pass
-    return exp, False
+    return compiled, False

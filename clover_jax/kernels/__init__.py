@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 # FFI target names -> the handler symbols of the library
 GROUPED_SWIGLU = "clover_grouped_swiglu_f32"
 _TARGETS = {GROUPED_SWIGLU: "CloverGroupedSwiglu"}
-TARGET_NAMES = tuple(_TARGETS)  # the FFI custom calls a traced program may hold
 _HERE = Path(__file__).parent
 _COMPILED = (_HERE / "grouped_swiglu.cc",)
 _SOURCES = (*_COMPILED, _HERE / "gemm.h", _HERE / "parallel.h")

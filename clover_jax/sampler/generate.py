@@ -301,7 +301,7 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, bat
         on_compile(f"compiling the sampler for {spec.batch} x {spec.prompt_len + spec.gen_length} tokens "
                    + ("(or loading it from the compile cache) ..." if disk else "(once per shape) ..."))
     if disk:
-        exe, from_disk = _exported_program(spec, forward_fn, args)
+        exe, from_disk = _cached_program(spec, forward_fn, args)
     else:
         exe = jax.jit(run_program, static_argnums=(0, 1)).lower(spec, forward_fn, *args).compile()
     _PROGRAMS[key] = exe
@@ -311,9 +311,9 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, bat
     return exe, time.perf_counter() - t0, from_disk
 
 
-def _exported_program(spec: ProgramSpec, forward_fn: ForwardFn, args: tuple) -> tuple[Callable[..., ProgramOut], bool]:
-    """The program traced once per machine (`compile_cache.load_or_export`) and compiled through JAX's
-    persistent cache; it takes and returns flat arrays, wrapped back into the usual signature."""
+def _cached_program(spec: ProgramSpec, forward_fn: ForwardFn, args: tuple) -> tuple[Callable[..., ProgramOut], bool]:
+    """The program compiled once per machine and code version (`compile_cache.load_or_compile`); it takes
+    and returns flat arrays, wrapped back into the usual signature."""
     leaves, treedef = jax.tree.flatten(args)
     has_logits = spec.record_logits
 
@@ -324,8 +324,7 @@ def _exported_program(spec: ProgramSpec, forward_fn: ForwardFn, args: tuple) -> 
     avals = [(tuple(np.shape(x)), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
              for x in leaves]
     key = repr((spec, forward_fn, treedef, avals, jax.devices()[0].platform, kernels.available()))
-    exp, from_disk = compile_cache.load_or_export(key, flat, leaves, kernels.TARGET_NAMES)
-    exe = jax.jit(exp.call).lower(*leaves).compile()
+    exe, from_disk = compile_cache.load_or_compile(key, flat, leaves)
 
     def call(*a: Any) -> ProgramOut:
         out = exe(*jax.tree.leaves(a))
