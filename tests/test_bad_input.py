@@ -142,7 +142,7 @@ def test_bad_outputs_are_refused_before_any_work(tmp_path, capsys):
         os.remove("/sys/clover-probe")
     except OSError:
         assert main(["generate", "--input", str(src), "--output", "/sys/out.jsonl", "--model", "test-clover"]) == 2
-        one_line_error(capsys, "cannot write there")
+        one_line_error(capsys, "cannot write into /sys")
         assert main(["convert", str(tmp_path), "/sys/converted", "--no-progress"]) == 2
         one_line_error(capsys, "cannot write into /sys")
     assert src.read_text() == '{"prompt": "a"}\n'

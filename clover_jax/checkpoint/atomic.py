@@ -10,7 +10,6 @@ import glob
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -19,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from clover_jax.errors import CheckpointError
+from clover_jax.paths import unwritable_reason
 
 
 def sync_processes(tag: str) -> None:
@@ -58,17 +58,9 @@ def check_destination(dest: str, force: bool, sources: Sequence[str] = (), what:
     if os.path.lexists(dest) and not force:
         raise CheckpointError(f"{what} {dest} already exists (pass --force to replace it; the old copy stays "
                               "until the new one is complete)")
-    parent = os.path.dirname(dest)
-    probe = parent
-    while not os.path.isdir(probe):  # the nearest existing ancestor must let us create the rest
-        if os.path.lexists(probe):
-            raise CheckpointError(f"{what} {dest}: {probe} is not a directory")
-        probe = os.path.dirname(probe)
-    try:
-        with tempfile.TemporaryDirectory(dir=probe, prefix=".clover-write-test-"):
-            pass
-    except OSError as e:
-        raise CheckpointError(f"{what} {dest}: cannot write into {probe} ({e.strerror or e})") from None
+    reason = unwritable_reason(dest)
+    if reason:
+        raise CheckpointError(f"{what} {dest}: {reason}")
     return dest
 
 

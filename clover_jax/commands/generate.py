@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params
 from clover_jax.model.moe import get_dispatch
+from clover_jax.paths import unwritable_reason
 from clover_jax.sampler import (
     SamplerConfig,
     SamplerStats,
@@ -244,15 +244,14 @@ def check_output(output: str, input_path: str | None) -> None:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise UsageError(f"--output {output!r}: its directory does not exist")
-    try:  # a real write probe: access() says yes to root on a read-only filesystem
-        if os.path.exists(path):
+    if os.path.exists(path):
+        try:  # a real write probe: access() says yes to root on a read-only filesystem
             with open(path, "a"):
                 pass
-        else:
-            with tempfile.TemporaryFile(dir=parent):
-                pass
-    except OSError as e:
-        raise UsageError(f"--output {output!r}: cannot write there ({e.strerror or e})") from None
+        except OSError as e:
+            raise UsageError(f"--output {output!r}: cannot write there ({e.strerror or e})") from None
+    elif reason := unwritable_reason(path):
+        raise UsageError(f"--output {output!r}: {reason}")
 
 
 def warn_steps(sc: SamplerConfig) -> None:

@@ -321,8 +321,7 @@ def _cached_program(spec: ProgramSpec, forward_fn: ForwardFn, args: tuple) -> tu
         out = run_program(spec, forward_fn, *jax.tree.unflatten(treedef, xs))
         return tuple(out[:4]) + ((out.logits,) if has_logits else ())
 
-    avals = [(tuple(np.shape(x)), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
-             for x in leaves]
+    avals = [(tuple(np.shape(x)), str(np.result_type(x))) for x in leaves]
     key = repr((spec, forward_fn, treedef, avals, jax.devices()[0].platform, kernels.available()))
     exe, from_disk = compile_cache.load_or_compile(key, flat, leaves)
 

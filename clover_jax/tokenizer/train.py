@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import sentencepiece as spm
 
 from clover_jax.errors import TokenizerTrainError
+from clover_jax.paths import unwritable_reason
 
 PAD_ID, BOS_ID, EOS_ID, MASK_ID, UNK_ID = 0, 1, 2, 3, 4
 MASK_PIECE = "[MASK]"
@@ -57,11 +58,9 @@ def check_output(output_dir: str, force: bool) -> None:
     """TokenizerTrainError when `output_dir` already holds a tokenizer.model and not `force`, or is a file."""
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         raise TokenizerTrainError(f"--output {output_dir} is not a directory")
-    probe = os.path.abspath(output_dir)
-    while not os.path.isdir(probe):
-        probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK):
-        raise TokenizerTrainError(f"--output {output_dir}: {probe} is not writable")
+    reason = unwritable_reason(os.path.join(output_dir, "tokenizer.model"))
+    if reason:
+        raise TokenizerTrainError(f"--output {output_dir}: {reason}")
     if os.path.lexists(os.path.join(output_dir, "tokenizer.model")) and not force:
         raise TokenizerTrainError(f"{os.path.join(output_dir, 'tokenizer.model')} already exists (pass --force to "
                                   "replace it)")
