@@ -158,6 +158,20 @@ def _linear_layer(x: Array, w: LayerWeights, win: Windows, state: gated_deltanet
     return constrain(x + y, ("batch", "seq", "embed"), mesh), state, st
 
 
+def _runs(group: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """The runs of same-kind layers in a layer group: (kind, index of the run's first layer among that
+    kind's layers in the group, run length), in layer order."""
+    out: list[tuple[str, int, int]] = []
+    seen = {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
+    for kind in group:
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((kind, seen[kind], 1))
+        seen[kind] += 1
+    return out
+
+
 def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: Windows,
                 cache: KVCache | None, cache_offset: Array, cfg: ModelConfig, dispatch: str | None, remat: bool,
                 mesh: MeshRules | None) -> tuple[Array, KVCache | None, MoEStats]:
@@ -177,33 +191,48 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: 
             stack = stack.replace(mlp=stack.mlp.replace(gate=None, up=None, down=None))
         return jax.tree.map(lambda a: a.reshape(n_groups, n, *a.shape[1:]), stack)
 
+    def one_layer(kind: str, x: Array, c: KVCache | None, w: LayerWeights, index: Array
+                  ) -> tuple[Array, KVCache | None, MoEStats]:
+        layer = None
+        if stacked:
+            e = experts[kind]
+            w = w.replace(mlp=w.mlp.replace(gate=e.gate, up=e.up, down=e.down))
+            layer = index
+        if kind == LINEAR_ATTENTION:
+            state = None if c is None else jax.tree.map(lambda a: a[index], c.linear)
+            x, state, st = _linear_layer(x, w, win, state, cfg, dispatch, mesh, layer)
+            if c is not None:
+                c = c.replace(linear=jax.tree.map(lambda a, s: a.at[index].set(s.astype(a.dtype)), c.linear, state))
+            return x, c, st
+        kv = None if c is None else (c.moe_k, c.moe_v, index)
+        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer)
+        if c is not None:
+            c = c.replace(moe_k=kv[0], moe_v=kv[1])
+        return x, c, st
+
     def body(carry: tuple, ws: tuple) -> tuple[tuple, MoEStats]:
+        # A run of same-kind layers in the group (Qwen3.5's three Gated DeltaNet layers) is an inner
+        # scan: one copy of the layer in the program, not one per layer (a smaller program compiles
+        # and loads from the compile cache faster; the arithmetic is the same).
         x, c = carry
         wl, wf, g = ws
-        stats, seen = [], {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
-        for kind in group:
-            j = seen[kind]
-            seen[kind] += 1
-            w = jax.tree.map(lambda a, j=j: a[j], wl if kind == LINEAR_ATTENTION else wf)
-            index = g * (n_lin if kind == LINEAR_ATTENTION else n_full) + j  # in its own stack
-            layer = None
-            if stacked:
-                e = experts[kind]
-                w = w.replace(mlp=w.mlp.replace(gate=e.gate, up=e.up, down=e.down))
-                layer = index
-            if kind == LINEAR_ATTENTION:
-                state = None if c is None else jax.tree.map(lambda a, i=index: a[i], c.linear)
-                x, state, st = _linear_layer(x, w, win, state, cfg, dispatch, mesh, layer)
-                if c is not None:
-                    c = c.replace(linear=jax.tree.map(lambda a, s, i=index: a.at[i].set(s.astype(a.dtype)),
-                                                      c.linear, state))
-            else:
-                kv = None if c is None else (c.moe_k, c.moe_v, index)
-                x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer)
-                if c is not None:
-                    c = c.replace(moe_k=kv[0], moe_v=kv[1])
+        stats = []
+        for kind, first, n in _runs(group):
+            stack = wl if kind == LINEAR_ATTENTION else wf
+            base = g * (n_lin if kind == LINEAR_ATTENTION else n_full) + first  # in its own stack
+            run = jax.tree.map(lambda a, f=first, n=n: a[f:f + n], stack)
+            if n == 1:
+                x, c, st = one_layer(kind, x, c, jax.tree.map(lambda a: a[0], run), base)
+                stats.append(jax.tree.map(lambda a: a[None], st))
+                continue
+
+            def inner(carry: tuple, xs: tuple, kind: str = kind) -> tuple[tuple, MoEStats]:
+                x, c, st = one_layer(kind, *carry, *xs)
+                return (x, c), st
+
+            (x, c), st = jax.lax.scan(inner, (x, c), (run, base + jnp.arange(n, dtype=jnp.int32)))
             stats.append(st)
-        return (x, c), jax.tree.map(lambda *a: jnp.stack(a), *stats)
+        return (x, c), jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)

@@ -277,11 +277,11 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         if bidir:  # refresh the whole cache from the current canvas, score block j from the same pass
             return call(cv, cache, 0, t, lo)
         if cfg.is_hybrid:
-            # The Gated DeltaNet state must advance over block j-1 exactly once: block 0 has nothing to
-            # commit (the prefill did the prompt); block j > 0 runs [block j-1, block j] from the state
-            # before block j-1 and keeps the state after block j-1 (commit = L).
-            return jax.lax.cond(lo == p, later_forward,
-                                lambda c, k, x: call(c, k, x - bl, 2 * bl, bl, commit=bl), cv, cache, lo)
+            # The Gated DeltaNet state must advance over block j-1 exactly once: block j > 0 runs
+            # [block j-1, block j] from the state before block j-1 and keeps the state after block j-1
+            # (commit = L). Block 0 has nothing to commit (the prefill did the prompt): `step` gives
+            # its first pass to `later_forward`.
+            return call(cv, cache, lo - bl, 2 * bl, bl, commit=bl)
         # block-causal: re-encode block j-1 (now final) into the cache and score block j in one pass
         return call(cv, cache, lo - bl, 2 * bl, bl)
 
@@ -300,7 +300,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         if mode == "none":
             logits, _ = call(st.canvas, None, 0, t, lo)
             return commit(st, logits)
-        logits, cache = jax.lax.cond(st.step == 0, first_forward, later_forward, st.canvas, st.cache, lo)
+        first = (st.step == 0) & (lo > p) if cfg.is_hybrid else st.step == 0
+        logits, cache = jax.lax.cond(first, first_forward, later_forward, st.canvas, st.cache, lo)
         return commit(st._replace(cache=cache), logits)
 
     def inner_cond(st: _State) -> Array:
