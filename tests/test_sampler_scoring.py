@@ -13,6 +13,8 @@ from clover_jax.sampler.scoring import (
     filter_logits,
     guide,
     remasking_index,
+    sample,
+    sample_and_score,
     score_tokens,
     select_commits,
     transfer_count,
@@ -117,3 +119,72 @@ def test_entropy_bound_prefix():
         got = np.asarray(select_commits(_scores(np.zeros(6), rank=-ent, ent=ent), masked, jnp.array([1]),
                                         jnp.float32(0.0), jnp.float32(bound)))[0]
         assert got.sum() == want_n and set(np.flatnonzero(got)) == set(np.argsort(ent)[:want_n])
+
+
+def _sorted_rule(x: np.ndarray, k: int, p: float) -> np.ndarray:
+    """The sorted-cumsum rule of transformers / LLaDA2 in float64 (what `filter_logits` bisects for)."""
+    keep = np.zeros(x.shape, bool)
+    for r in np.ndindex(x.shape[:-1]):
+        row = x[r].astype(np.float64)
+        srt = -np.sort(-row)
+        kk = len(row) if k <= 0 else min(k, len(row))
+        cut = srt[kk - 1]  # ties with the k-th value stay
+        row = np.where(row >= cut, row, -np.inf)
+        if p < 1.0:
+            q = np.exp(row - row.max())
+            q /= q.sum()
+            before = np.array([q[row > v].sum() for v in row])  # mass strictly more likely
+            if np.min(np.abs(before[np.isfinite(row)] - p)) < 1e-4:
+                return None  # too close to the cut-off for float32 sums to decide alike
+            row = np.where(before < p, row, -np.inf)
+        keep[r] = np.isfinite(row)
+    return keep
+
+
+@pytest.mark.parametrize("k,p", [(0, 0.9), (5, 1.0), (40, 0.6), (1, 0.3), (300, 0.95), (0, 0.05)])
+def test_bisected_filters_match_the_sorted_rule(k, p):
+    rng = np.random.default_rng(k * 100 + int(p * 100))
+    tried = 0
+    filt = jax.jit(filter_logits)  # one compile for every trial
+    for _ in range(30):
+        x = (rng.normal(size=(3, 257)) * 2).astype(np.float32)
+        x[:, 10:20] = x[:, :10]  # ties, also across the cut-offs
+        x[:, 30] = -np.inf  # an already filtered token
+        want = _sorted_rule(x, k, p)
+        if want is None:
+            continue
+        tried += 1
+        got = np.isfinite(np.asarray(filt(jnp.asarray(x), jnp.int32(k), jnp.float32(p))))
+        np.testing.assert_array_equal(got, want)
+    assert tried >= 10
+
+
+def test_entropy_is_computed_only_when_asked_for():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(2, 4, 9)).astype(np.float32))
+    tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+    low = jnp.int32(remasking_index("low_confidence"))
+    full = score_tokens(logits, tokens, low, jax.random.key(0), jnp.bool_(True))
+    lazy = score_tokens(logits, tokens, low, jax.random.key(0), jnp.bool_(False))
+    assert float(jnp.min(full.entropy)) > 0 and float(jnp.max(jnp.abs(lazy.entropy))) == 0.0
+    np.testing.assert_allclose(lazy.confidence, full.confidence)
+    # the entropy strategy always gets its entropy
+    ent = score_tokens(logits, tokens, jnp.int32(remasking_index("entropy")), jax.random.key(0), jnp.bool_(False))
+    np.testing.assert_allclose(ent.entropy, full.entropy, rtol=1e-6)
+    np.testing.assert_allclose(ent.rank_score, -full.entropy, rtol=1e-6)
+
+
+def test_sample_and_score_is_sample_then_score():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(2, 6, 50)).astype(np.float32) * 3)
+    kd, ks = jax.random.key(3), jax.random.key(4)
+    for t, k, p, sampled, strat in [(0.0, 0, 1.0, False, "margin"), (0.8, 10, 0.9, True, "low_confidence"),
+                                    (1.0, 0, 0.7, False, "entropy")]:
+        args = (jnp.float32(t), jnp.int32(k), jnp.float32(p), 7, jnp.bool_(sampled))
+        tokens, dist = sample(logits, kd, *args)
+        want = score_tokens(dist, tokens, jnp.int32(remasking_index(strat)), ks)
+        got_tokens, got = sample_and_score(logits, kd, ks, *args, jnp.int32(remasking_index(strat)))
+        np.testing.assert_array_equal(got_tokens, tokens)
+        assert 7 not in np.asarray(tokens)  # the mask id is never drawn
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -47,7 +47,7 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import masks, transformer
-from clover_jax.sampler.scoring import guide, sample, score_tokens, select_commits, transfer_count
+from clover_jax.sampler.scoring import guide, sample_and_score, select_commits, transfer_count
 
 Array = jax.Array
 CACHE_MODES = ("none", "prefix", "dual")
@@ -254,9 +254,9 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         key, k_draw, k_score = jax.random.split(st.key, 3)
         blk = _dslice(st.canvas, lo, bl)
         masked = blk == mask_id
-        drawn, dist = sample(logits, k_draw, knobs.temperature, knobs.top_k, knobs.top_p, mask_id,
-                             knobs.sampled_confidence)
-        scores = score_tokens(dist, drawn, knobs.remasking, k_score)
+        drawn, scores = sample_and_score(logits, k_draw, k_score, knobs.temperature, knobs.top_k, knobs.top_p,
+                                         mask_id, knobs.sampled_confidence, knobs.remasking,
+                                         knobs.entropy_bound > 0)
         n = transfer_count(st.n_sched, spb, st.step)
         chosen = select_commits(scores, masked, n, knobs.threshold, knobs.entropy_bound)
         cv = jax.lax.dynamic_update_slice_in_dim(st.canvas, jnp.where(chosen, drawn, blk), lo, axis=1)

@@ -26,28 +26,57 @@ def guide(cond: Array, uncond: Array, scale: Array) -> Array:
     return uncond + (scale + 1.0) * (cond - uncond)
 
 
+def _order_keys(x: Array) -> Array:
+    """uint32 keys that order like the float32 values of `x` (-inf lowest; NaN is not expected)."""
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _least_key(keys: Array, below: Callable[[Array], Array]) -> Array:
+    """The least key t [..., 1] with `below(t)` true, for `below` monotone (false, then true, as t
+    grows) and true at the row's largest key: 32 halvings of [smallest key, largest key], each one
+    reduction over the row (no sort: XLA's CPU sort of a 32k vocabulary costs ~10 ms a row)."""
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+    done = below(lo)
+
+    def halve(_: int, bounds: tuple[Array, Array]) -> tuple[Array, Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = below(mid)
+        moving = hi - lo > 1
+        return jnp.where(moving & ~ok, mid, lo), jnp.where(moving & ok, mid, hi)
+
+    lo, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return jnp.where(done, lo, hi)
+
+
 def filter_logits(logits: Array, top_k: Array, top_p: Array) -> Array:
     """Set logits outside the top-k and then the nucleus top-p to -inf.
 
-    top_k <= 0 and top_p >= 1 turn each filter off; with both off the sort is skipped at run time.
-    The most likely token is always kept. Ties with the cut-off value are kept.
+    top_k <= 0 and top_p >= 1 turn each filter off; with both off nothing runs. A token stays in the
+    top-k when fewer than k tokens are strictly more likely, and in the nucleus when the tokens strictly
+    more likely than it (renormalised over the top-k) hold less than top_p: the sorted-cumsum rule of
+    transformers and LLaDA2, with ties at the cut-off kept. The most likely token is always kept. The
+    cut-offs are found by bisection on the values' bit patterns, exact and without sorting the vocabulary.
     """
 
     def apply(x: Array) -> Array:
-        v = x.shape[-1]
-        srt = -jnp.sort(-x, axis=-1)  # descending
-        idx = jnp.arange(v)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-        srt_k = jnp.where(idx < k, srt, -jnp.inf)
-        p = jax.nn.softmax(srt_k, axis=-1)
-        before = jnp.cumsum(p, axis=-1) - p  # probability mass of the strictly better tokens
-        keep = (idx < k) & ((before < top_p) | (idx == 0))
-        n_keep = jnp.sum(keep, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-        return jnp.where(x >= cutoff, x, -jnp.inf)
+        x = x.astype(jnp.float32)
+        keys = _order_keys(x)
+        k = jnp.where(top_k > 0, top_k, x.shape[-1])
+        cut_k = _least_key(keys, lambda t: jnp.sum(keys > t, axis=-1, keepdims=True) < k)
+        x = jnp.where(keys >= cut_k, x, -jnp.inf)
+        p = jax.nn.softmax(x, axis=-1)
+
+        def nucleus(x: Array) -> Array:
+            cut_p = _least_key(keys, lambda t: jnp.sum(jnp.where(keys > t, p, 0.0), axis=-1, keepdims=True) < top_p)
+            return jnp.where(keys >= cut_p, x, -jnp.inf)
+
+        return jax.lax.cond(top_p < 1.0, nucleus, lambda x: x, x)
 
     active = (top_k > 0) | (top_p < 1.0)
-    return jax.lax.cond(active, apply, lambda x: x, logits)
+    return jax.lax.cond(active, apply, lambda x: x.astype(jnp.float32), logits)
 
 
 def draw_tokens(logits: Array, key: Array, temperature: Array) -> Array:
@@ -65,6 +94,17 @@ def draw_tokens(logits: Array, key: Array, temperature: Array) -> Array:
     return jax.lax.cond(temperature > 0, sample, greedy, logits)
 
 
+def _without(x: Array, token: int) -> Array:
+    """`x` with `token`'s logit at -inf (a select XLA fuses into what reads it, not a copy)."""
+    return jnp.where(jnp.arange(x.shape[-1]) == token, -jnp.inf, x)
+
+
+def _hot(x: Array, key: Array, temperature: Array, top_k: Array, top_p: Array, mask_id: int,
+         sampled_confidence: Array) -> tuple[Array, Array]:
+    scaled = filter_logits(_without(x, mask_id) / temperature, top_k, top_p)
+    return draw_tokens(scaled, key, jnp.float32(1.0)), jnp.where(sampled_confidence, scaled, x)
+
+
 def sample(logits: Array, key: Array, temperature: Array, top_k: Array, top_p: Array, mask_id: int,
            sampled_confidence: Array) -> tuple[Array, Array]:
     """Draw one token per position of `logits` [B, L, V]; returns (tokens [B, L], the logits the scores
@@ -79,17 +119,32 @@ def sample(logits: Array, key: Array, temperature: Array, top_k: Array, top_p: A
     filtered distribution the token was drawn from (True: LLaDA2).
     """
     x = logits.astype(jnp.float32)
-    drawable = x.at[..., mask_id].set(-jnp.inf)
 
-    def hot(d: Array) -> tuple[Array, Array]:
-        scaled = filter_logits(d / temperature, top_k, top_p)
-        return draw_tokens(scaled, key, jnp.float32(1.0)), scaled
+    def cold(x: Array) -> tuple[Array, Array]:
+        return jnp.argmax(_without(x, mask_id), axis=-1).astype(jnp.int32), x
 
-    def cold(d: Array) -> tuple[Array, Array]:
-        return jnp.argmax(d, axis=-1).astype(jnp.int32), d
+    return jax.lax.cond(temperature > 0, lambda x: _hot(x, key, temperature, top_k, top_p, mask_id,
+                                                        sampled_confidence), cold, x)
 
-    tokens, dist = jax.lax.cond(temperature > 0, hot, cold, drawable)
-    return tokens, jnp.where(sampled_confidence & (temperature > 0), dist, x)
+
+def sample_and_score(logits: Array, k_draw: Array, k_score: Array, temperature: Array, top_k: Array,
+                     top_p: Array, mask_id: int, sampled_confidence: Array, strategy: Array,
+                     need_entropy: Array | bool = True) -> tuple[Array, Scores]:
+    """`sample` then `score_tokens` in one: (tokens [B, L], Scores), with only [B, L] arrays leaving
+    the temperature branch (the sampling program's per-step work; at temperature 0 it reads the logits
+    a few times in fused reductions and writes no [B, L, V] array). k_draw / k_score: the keys of
+    `sample` and `score_tokens`."""
+    x = logits.astype(jnp.float32)
+
+    def hot(x: Array) -> tuple[Array, Scores]:
+        tokens, dist = _hot(x, k_draw, temperature, top_k, top_p, mask_id, sampled_confidence)
+        return tokens, score_tokens(dist, tokens, strategy, k_score, need_entropy)
+
+    def cold(x: Array) -> tuple[Array, Scores]:
+        tokens = jnp.argmax(_without(x, mask_id), axis=-1).astype(jnp.int32)
+        return tokens, score_tokens(x, tokens, strategy, k_score, need_entropy)
+
+    return jax.lax.cond(temperature > 0, hot, cold, x)
 
 
 class Scores(NamedTuple):
@@ -97,23 +152,25 @@ class Scores(NamedTuple):
 
     rank_score: Array  # [B, L] higher = commit first (the chosen remasking strategy)
     confidence: Array  # [B, L] probability of the drawn token (what the threshold compares)
-    entropy: Array  # [B, L] entropy of the filtered distribution, nats
+    entropy: Array  # [B, L] entropy of the filtered distribution, nats (zeros when not asked for)
 
 
 class Distribution(NamedTuple):
     """What a remasking strategy may rank by, for one block."""
 
-    p: Array  # [B, L, V] softmax of the filtered logits
+    logits: Array  # [B, L, V] the logits the scores come from (-inf = filtered out)
+    lse: Array  # [B, L] their log-sum-exp
     confidence: Array  # [B, L] probability of the drawn token
     entropy: Array  # [B, L] nats
 
 
 def _margin(d: Distribution, key: Array) -> Array:
-    # top-1 minus top-2 with two max-reductions: lax.top_k inside a while loop costs ~20x more on CPU
-    first = jnp.argmax(d.p, axis=-1)
-    p1 = jnp.max(d.p, axis=-1)
-    p2 = jnp.max(jnp.where(jnp.arange(d.p.shape[-1]) == first[..., None], -1.0, d.p), axis=-1)
-    return p1 - p2
+    # top-1 minus top-2 probability, by two max-reductions over the logits (lax.top_k inside a while
+    # loop costs ~20x more on CPU); a tie for the top gives 0
+    first = jnp.argmax(d.logits, axis=-1)
+    x1 = jnp.max(d.logits, axis=-1)
+    x2 = jnp.max(jnp.where(jnp.arange(d.logits.shape[-1]) == first[..., None], -jnp.inf, d.logits), axis=-1)
+    return jnp.exp(x1 - d.lse) - jnp.exp(x2 - d.lse)
 
 
 # The remasking strategies by name: each ranks a block's positions, higher = commit first.
@@ -123,6 +180,7 @@ REMASKING: dict[str, Callable[[Distribution, Array], Array]] = {
     "margin": _margin,  # top-1 minus top-2 probability
     "entropy": lambda d, key: -d.entropy,  # lowest entropy first
 }
+ENTROPY = list(REMASKING).index("entropy")
 
 
 def remasking_index(name: str) -> int:
@@ -132,14 +190,28 @@ def remasking_index(name: str) -> int:
     return list(REMASKING).index(name)
 
 
-def score_tokens(logits: Array, tokens: Array, strategy: Array, key: Array) -> Scores:
+def _entropy(x: Array, m: Array, lse: Array) -> Array:
+    # H = lse - E_p[x], with filtered (-inf) entries contributing nothing
+    e = jnp.exp(x - m[..., None])
+    ex = jnp.sum(jnp.where(e > 0, e * x, 0.0), axis=-1) / jnp.sum(e, axis=-1)
+    return lse - ex
+
+
+def score_tokens(logits: Array, tokens: Array, strategy: Array, key: Array,
+                 need_entropy: Array | bool = True) -> Scores:
     """Scores of a block from `logits` (what `sample` returns for them); `strategy` is a traced
-    `remasking_index`. Confidence is softmax(logits) at the drawn token."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    conf = jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
-    d = Distribution(p, conf, entropy)
+    `remasking_index`. Confidence is softmax(logits) at the drawn token. The entropy is computed when
+    `need_entropy` (a traced bool: the entropy strategy or the entropy bound is in use) and is zeros
+    otherwise; the entropy strategy always gets it. Only reductions over the vocabulary: no [B, L, V]
+    array is written."""
+    x = logits.astype(jnp.float32)
+    m = jnp.max(x, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[..., None]), axis=-1))
+    conf = jnp.exp(jnp.take_along_axis(x, tokens[..., None], axis=-1)[..., 0] - lse)
+    want = jnp.asarray(need_entropy) | (strategy == ENTROPY)
+    entropy = jax.lax.cond(want, _entropy, lambda x, m, lse: jnp.zeros_like(lse), x, m, lse)
+    d = Distribution(x, lse, conf, entropy)
     rank = jax.lax.switch(strategy, list(REMASKING.values()), d, key)
     return Scores(rank, conf, entropy)
 
