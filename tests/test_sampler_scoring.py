@@ -45,7 +45,7 @@ def test_top_k_and_top_p_filters():
     assert kept(filter_logits(x, jnp.int32(3), jnp.float32(0.95))) == [True, False, True, True]
 
 
-def test_greedy_and_gumbel_draws():
+def test_greedy_and_temperature_draws():
     logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
     assert int(draw_tokens(logits, jax.random.key(0), jnp.float32(0.0))[0]) == 1
     many = jnp.broadcast_to(logits, (20000, 3))
@@ -55,6 +55,20 @@ def test_greedy_and_gumbel_draws():
     draws = np.asarray(draw_tokens(many, jax.random.key(2), jnp.float32(0.5)))
     p2 = np.array([0.01, 0.36, 0.09]) / 0.46
     np.testing.assert_allclose(np.bincount(draws, minlength=3) / 20000, p2, atol=0.015)
+
+
+def test_draws_across_chunks_follow_the_softmax_and_skip_filtered_tokens():
+    # 300 tokens: three chunks of the inverse-CDF draw, the last one partial; mass in each of them
+    rng = np.random.default_rng(0)
+    x = np.full(300, -np.inf, np.float32)
+    live = np.array([0, 5, 127, 128, 200, 255, 256, 299])
+    x[live] = rng.normal(size=live.size).astype(np.float32)
+    p = np.exp(x[live] - x[live].max())
+    p /= p.sum()
+    draws = np.asarray(draw_tokens(jnp.broadcast_to(jnp.asarray(x), (40000, 300)), jax.random.key(5),
+                                   jnp.float32(1.0)))
+    assert set(np.unique(draws)) <= set(live.tolist())  # never a filtered (-inf) token
+    np.testing.assert_allclose(np.bincount(draws, minlength=300)[live] / 40000, p, atol=0.01)
 
 
 def test_scores_match_numpy():
