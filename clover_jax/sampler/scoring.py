@@ -17,7 +17,7 @@ Array = jax.Array
 
 
 def float_dtype() -> jnp.dtype:
-    """float64 when x64 is enabled (LLaDA draws its Gumbel noise in float64), else float32."""
+    """float64 when x64 is enabled (LLaDA draws its sampling noise in float64), else float32."""
     return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
 
