@@ -48,38 +48,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def best_seconds(fn, *args, tries: int = 5) -> float:
+    """The fastest of `tries` warm calls of jitted `fn(*args)` (one call first, to compile)."""
+    import jax
+
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def read_bandwidth(mb: int) -> float:
     """Bytes per second of a jitted float32 sum over an `mb` MiB array (best of 5)."""
-    import jax
     import jax.numpy as jnp
 
     x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best
+    return x.nbytes / best_seconds(jnp.sum, x)
 
 
 def dot_flops_per_s(rows: int, d: int, v: int) -> float:
     """FLOP/s of a jitted float32 [rows, d] @ [d, v] here (best of 5): what a dense dot of the LM head's
     shape reaches, the pass's compute ceiling."""
-    import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((rows, d), jnp.float32)
-    w = jnp.ones((d, v), jnp.float32)
-    f = jax.jit(jnp.dot)
-    f(a, w).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        f(a, w).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * rows * d * v / best
+    return 2 * rows * d * v / best_seconds(jnp.dot, jnp.ones((rows, d), jnp.float32), jnp.ones((d, v), jnp.float32))
 
 
 def pass_flops(cfg, batch: int, block: int, context: int) -> int:
