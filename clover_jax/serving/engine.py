@@ -1,0 +1,376 @@
+"""The serving engine: a queue of requests, rows that join and leave at block boundaries, and a
+scheduler thread that runs one compiled block program per batch bucket (`serving.program`).
+
+Contract:
+  * `Engine(weights, cfg, ...)` checks the model and the settings (ServingError, before any compile);
+    `warm_up(log)` compiles every program the engine will ever run (one `advance` per batch bucket,
+    one `admit` per prompt width, one `move`), so nothing compiles while serving;
+  * `submit(request, on_event)` validates the request (BadRequest), queues it (QueueFull when the queue
+    holds `queue_size`, Draining once `drain` began) and returns its id. `on_event(Event)` is called
+    from the scheduler thread after every block the request committed; its last event has a
+    finish_reason ("stop", "length", "cancelled", or "error" if the device program failed);
+  * between two block calls the scheduler admits queued requests into free rows (their prompt is
+    prefilled then) and drops cancelled ones; running rows stay in [0, n) and the call runs the
+    smallest bucket that holds n, so one request alone runs at batch 1;
+  * a request's tokens depend only on itself (its own knobs and random key, exact caches), never on
+    what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clover_jax.config import ModelConfig
+from clover_jax.mesh.rules import MeshRules
+from clover_jax.sampler.program import ForwardFn, ModelForward
+from clover_jax.sampler.scoring import remasking_index
+from clover_jax.serving import program
+from clover_jax.serving.requests import Draining, Event, QueueFull, Request, ServingError
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters."""
+
+    requests_admitted: int
+    requests_finished: int
+    tokens_generated: int
+    program_passes: int  # forward passes the device ran (each over a whole batch bucket)
+    row_passes: int  # sum over requests of the passes they took part in
+    queue_depth: int
+    active_rows: int
+    capacity: int  # the largest batch bucket
+    blocks_run: int  # block-program calls
+    rows_in_blocks: int  # sum over block calls of the rows that ran a request
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens committed per forward pass per request: the parallelism of decoding."""
+        return self.tokens_generated / self.row_passes if self.row_passes else 0.0
+
+    @property
+    def mean_rows_per_block(self) -> float:
+        """Requests per block call: how full the batches were."""
+        return self.rows_in_blocks / self.blocks_run if self.blocks_run else 0.0
+
+
+@dataclass(eq=False)
+class _Job:
+    rid: int
+    req: Request
+    on_event: Callable[[Event], None]
+    n_blocks: int
+    produced: int = 0
+    passes: int = 0
+    cancelled: bool = False
+
+
+@dataclass
+class _Counters:
+    admitted: int = 0
+    finished: int = 0
+    tokens: int = 0
+    program_passes: int = 0
+    row_passes: int = 0
+    blocks: int = 0
+    rows_in_blocks: int = 0
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass
+class Engine:
+    """Continuous batching over the rows of one compiled state; see the module docstring."""
+
+    weights: Any
+    cfg: ModelConfig
+    block_length: int = 32
+    max_prompt: int = 256
+    max_tokens: int = 256
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16)
+    cache: str = "auto"
+    queue_size: int = 256
+    dispatch: str | None = None
+    mesh: MeshRules | None = None
+    forward_fn: ForwardFn | None = None
+    _lock: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        cfg, bl = self.cfg, self.block_length
+        need = _need
+        need(cfg.is_block_causal, f"config {cfg.name!r} has bidirectional attention: `clover serve` runs "
+             "block-causal models (a bidirectional model's blocks see the future, so rows cannot join at block "
+             "boundaries)")
+        need(isinstance(bl, int) and bl > 0, f"block_length must be a positive integer, got {bl!r}")
+        need(not cfg.is_bd_gdn or bl <= cfg.block_size,
+             f"block_length {bl} is longer than the model's blocks ({cfg.block_size})")
+        need(self.max_prompt >= 1 and self.max_tokens >= 1, "max_prompt and max_tokens must be >= 1")
+        self.columns = _round_up(self.max_prompt, bl) + _round_up(self.max_tokens, bl)
+        need(self.columns <= cfg.max_seq_len,
+             f"max_prompt {self.max_prompt} + max_tokens {self.max_tokens} (rounded to blocks of {bl}: "
+             f"{self.columns}) exceed the model's max_seq_len {cfg.max_seq_len}")
+        sizes = tuple(sorted(set(self.batch_sizes)))
+        need(bool(sizes) and all(isinstance(b, int) and b > 0 for b in sizes),
+             f"batch sizes must be positive integers, got {list(self.batch_sizes)}")
+        if self.mesh is not None:
+            data = self.mesh.size("data")
+            need(all(b % data == 0 for b in sizes),
+                 f"batch sizes {list(sizes)} must be multiples of the mesh's data axis ({data})")
+        self.batch_sizes = sizes
+        mode = "prefix" if self.cache in ("auto", "dual") else self.cache
+        need(mode in program.SERVE_CACHE_MODES,
+             f"unknown cache mode {self.cache!r}; choose one of auto, {', '.join(program.SERVE_CACHE_MODES)}")
+        self.cache = mode
+        need(self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}")
+        if self.forward_fn is None:
+            self.forward_fn = ModelForward(cfg, self.dispatch, self.mesh)
+        self.widths = program.prefill_widths(self.columns - bl, bl)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._slots: list[_Job | None] = [None] * sizes[-1]
+        self._by_id: dict[int, _Job] = {}
+        self._next_id = 0
+        self._count = _Counters()
+        self._draining = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._advance: dict[int, Any] = {}
+        self._admit: dict[int, Any] = {}
+        self._move: Any = None
+        self._state: program.SlotState | None = None
+
+    # ---- compiled programs ------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Rows: the largest batch bucket."""
+        return self.batch_sizes[-1]
+
+    def warm_up(self, log: Callable[[str], None] | None = None) -> None:
+        """Compile every program (idempotent); `log` gets one line per program with its compile time."""
+        if self._move is not None:
+            return
+        say = log or (lambda _msg: None)
+        cfg, fwd, bl, mode, s = self.cfg, self.forward_fn, self.block_length, self.cache, self.columns
+        state = program.empty_state(cfg, fwd, self.capacity, s, bl, mode)
+        row = (jnp.int32(0), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), bool), jnp.zeros((s,), jnp.int32),
+               self._row_knobs(Request(prompt=(0,), max_tokens=1)))
+        for b in self.batch_sizes:
+            t0 = time.perf_counter()
+            fn = jax.jit(functools.partial(program.advance, cfg, fwd, bl, mode, b), donate_argnums=(1,))
+            self._advance[b] = fn.lower(self.weights, state, jnp.ones((b,), bool)).compile()
+            say(f"block program for {b} row{'s' if b > 1 else ''} x {s} columns ({mode} cache): "
+                f"{time.perf_counter() - t0:.1f} s")
+        for w in (self.widths if mode == "prefix" else (0,)):
+            t0 = time.perf_counter()
+            fn = jax.jit(functools.partial(program.admit, cfg, fwd, bl, mode, w), donate_argnums=(1,))
+            self._admit[w] = fn.lower(self.weights, state, *row).compile()
+            if mode == "prefix":
+                say(f"prefill program for prompts up to {w} tokens: {time.perf_counter() - t0:.1f} s")
+        self._move = jax.jit(program.move, donate_argnums=(0,)).lower(state, jnp.int32(0), jnp.int32(0)).compile()
+        self._state = state
+
+    def _row_knobs(self, req: Request, n_blocks: int = 1) -> program.RowKnobs:
+        return program.RowKnobs(
+            np.float32(req.temperature), np.float32(req.top_p), np.int32(req.top_k), np.float32(req.threshold),
+            np.int32(req.steps or self.block_length), np.int32(remasking_index(req.remasking)), np.bool_(req.eos_stop),
+            np.uint32(req.seed % 2**32), np.int32(n_blocks), np.bool_(False))
+
+    def _row(self, prompt: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A new row's canvas / valid / block ids [S]: the prompt right before the first block of masks."""
+        s, bl, n = self.columns, self.block_length, len(prompt)
+        canvas = np.full((s,), self.cfg.filler_id, np.int32)
+        canvas[s - bl - n:s - bl] = prompt
+        canvas[s - bl:] = self.cfg.mask_token_id
+        valid = np.zeros((s,), bool)
+        valid[s - bl - n:] = True
+        ids = np.zeros((s,), np.int32)
+        ids[s - bl - n:s - bl] = np.arange(n) // self.cfg.block_size
+        ids[s - bl:] = s
+        return canvas, valid, ids
+
+    # ---- the client side --------------------------------------------------------------------------
+
+    def submit(self, req: Request, on_event: Callable[[Event], None]) -> int:
+        """Queue `req`; see the module docstring. Raises BadRequest, QueueFull or Draining."""
+        req.check(self.block_length, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
+        with self._lock:
+            if self._draining:
+                raise Draining("the server is shutting down")
+            if len(self._queue) >= self.queue_size:
+                raise QueueFull(f"the queue holds {len(self._queue)} requests already; try again later")
+            rid = self._next_id
+            self._next_id += 1
+            job = _Job(rid, req, on_event, -(-req.max_tokens // self.block_length))
+            self._queue.append(job)
+            self._by_id[rid] = job
+            self._lock.notify_all()
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop request `rid`: at once if it is still queued, else at the next block boundary; its last
+        event has finish_reason "cancelled". Unknown or finished ids are ignored."""
+        with self._lock:
+            job = self._by_id.get(rid)
+            if job is None:
+                return
+            job.cancelled = True
+            if job in self._queue:
+                self._queue.remove(job)
+                del self._by_id[rid]
+                self._count.finished += 1
+            else:
+                job = None
+            self._lock.notify_all()
+        if job is not None:
+            job.on_event(Event((), "cancelled", 0))
+
+    def stats(self) -> EngineStats:
+        """The counters now."""
+        with self._lock:
+            c = self._count
+            return EngineStats(c.admitted, c.finished, c.tokens, c.program_passes, c.row_passes, len(self._queue),
+                               sum(j is not None for j in self._slots), self.capacity, c.blocks, c.rows_in_blocks)
+
+    @property
+    def draining(self) -> bool:
+        """True once `drain` began."""
+        return self._draining
+
+    def start(self) -> None:
+        """Compile (if not yet) and start the scheduler thread."""
+        self.warm_up()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
+            self._thread.start()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Admit nothing new, let queued and running requests finish, then stop the scheduler thread."""
+        with self._lock:
+            self._draining = True
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the scheduler ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not any(self._slots) and not self._stopping:
+                    self._lock.wait()
+                if self._stopping and not self._queue and not any(self._slots):
+                    return
+                admitted = []
+                while self._queue and self._n_running() < self.capacity:
+                    slot = self._n_running()
+                    job = self._queue.popleft()
+                    self._slots[slot] = job
+                    admitted.append((slot, job))
+                    self._count.admitted += 1
+                running = list(self._slots[:self._n_running()])
+            try:
+                for slot, job in admitted:
+                    self._prefill(slot, job)
+                self._block(running)
+            except Exception as e:  # a device failure: every running request ends, the engine goes on
+                self._fail(running, e)
+
+    def _n_running(self) -> int:
+        """Rows in use: running requests are kept in slots [0, n)."""
+        return next((i for i, j in enumerate(self._slots) if j is None), len(self._slots))
+
+    def _prefill(self, slot: int, job: _Job) -> None:
+        canvas, valid, ids = self._row(job.req.prompt)
+        width = next(w for w in self.widths if w >= len(job.req.prompt)) if self.cache == "prefix" else 0
+        self._state = self._admit[width](self.weights, self._state, np.int32(slot), canvas, valid, ids,
+                                         self._row_knobs(job.req, job.n_blocks))
+
+    def _block(self, running: list[_Job | None]) -> None:
+        n = len(running)
+        b = next(size for size in self.batch_sizes if size >= n)
+        keep = np.zeros((b,), bool)
+        keep[:n] = [j is not None and not j.cancelled for j in running]
+        self._state, out = self._advance[b](self.weights, self._state, keep)
+        tokens, finished, stopped, passes = jax.device_get(tuple(out))
+        passes = int(passes)
+        events: list[tuple[_Job, Event]] = []
+        with self._lock:
+            c = self._count
+            c.blocks += 1
+            c.program_passes += passes
+            c.rows_in_blocks += int(keep.sum())
+            for slot, job in enumerate(running):
+                if job is None:
+                    continue
+                if not keep[slot]:
+                    events.append((job, Event((), "cancelled", job.passes)))
+                    self._free(slot)
+                    continue
+                job.passes += passes
+                c.row_passes += passes
+                new = [int(t) for t in tokens[slot]]
+                reason = None
+                if stopped[slot]:
+                    new = new[:new.index(self.cfg.eos_token_id)]
+                    reason = "stop"
+                room = job.req.max_tokens - job.produced
+                if len(new) >= room:
+                    new, reason = new[:room], reason or "length"
+                elif finished[slot]:
+                    reason = reason or "length"
+                job.produced += len(new)
+                c.tokens += len(new)
+                events.append((job, Event(tuple(new), reason, job.passes)))
+                if reason is not None:
+                    self._free(slot)
+            self._compact()
+        for job, ev in events:
+            job.on_event(ev)
+
+    def _free(self, slot: int) -> None:
+        job = self._slots[slot]
+        self._slots[slot] = None
+        if job is not None:
+            self._by_id.pop(job.rid, None)
+            self._count.finished += 1
+
+    def _compact(self) -> None:
+        """Move the last running rows into the holes, so running rows are [0, n) again."""
+        while True:
+            holes = [i for i, j in enumerate(self._slots) if j is None]
+            last = max((i for i, j in enumerate(self._slots) if j is not None), default=-1)
+            if not holes or holes[0] > last:
+                return
+            self._state = self._move(self._state, np.int32(last), np.int32(holes[0]))
+            self._slots[holes[0]], self._slots[last] = self._slots[last], None
+
+    def _fail(self, running: list[_Job | None], error: Exception) -> None:
+        with self._lock:
+            jobs = [j for j in running if j is not None]
+            for slot, j in enumerate(self._slots):
+                if j is not None:
+                    self._free(slot)
+        self.last_error = error
+        # the failed call may have consumed the donated state: start again from an empty one
+        self._state = program.empty_state(self.cfg, self.forward_fn, self.capacity, self.columns, self.block_length,
+                                          self.cache)
+        for job in jobs:
+            job.on_event(Event((), "error", job.passes))
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ServingError(msg)
