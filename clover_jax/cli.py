@@ -16,11 +16,11 @@ import sys
 import traceback
 
 from clover_jax import compile_cache
-from clover_jax.commands import convert, generate, info, plan, tokenizer, train
+from clover_jax.commands import convert, generate, info, plan, serve, tokenizer, train
 from clover_jax.errors import CloverError
 from clover_jax.version import __version__
 
-COMMANDS = (convert, generate, info, plan, tokenizer, train)
+COMMANDS = (convert, generate, info, plan, serve, tokenizer, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

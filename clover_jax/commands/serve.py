@@ -1,0 +1,215 @@
+"""`clover serve`: an OpenAI-compatible HTTP server over the batching engine.
+
+    clover serve --port 8000
+    curl localhost:8000/v1/completions -d '{"prompt": "Once upon a time", "max_tokens": 64}'
+
+Every batch bucket's programs are compiled before the socket listens; "clover serve: listening on
+http://HOST:PORT" on stderr says the server is ready (with --port 0 it names the port picked).
+SIGTERM or SIGINT drains: new requests get 503 while the engine finishes everything it holds and the
+streams in flight are sent to the end, then the server exits ("clover serve: drained, exiting"). A
+second signal exits at once. Needs the `serve` extra: pip install 'clover-jax[serve]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import socket
+import sys
+import threading
+from typing import Any
+
+from clover_jax.commands import generate as gen_cmd
+from clover_jax.errors import UsageError
+from clover_jax.mesh.layouts import add_mesh_argument
+
+CACHE_MODES = ("auto", "none", "prefix")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+GRACEFUL_S = 30  # after the drain: how long responses still being sent may take before they are cut
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `serve` subcommand to `sub`; it dispatches to `run`."""
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name (random weights); default: the shipped clover-tiny model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N",
+                   help="the compiled batch buckets (default 1 2 4 8 16)")
+    p.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default: the engine's)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="most tokens a request may ask for (default: the engine's)")
+    p.add_argument("--queue-size", type=int, default=256,
+                   help="requests that may wait for a batch row; more get HTTP 429 (default 256)")
+    p.add_argument("--cache", choices=CACHE_MODES, default="auto",
+                   help="auto (default): the exact prefix cache for block-causal models, none otherwise")
+    p.add_argument("--dispatch", default=None, help="MoE dispatch (default: the model's, or the mesh's)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info)")
+    add_mesh_argument(p)
+    p.set_defaults(func=run)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """UsageError naming the first flag out of range (before anything is loaded)."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if any(b < 1 for b in args.batch_sizes):
+        raise UsageError(f"--batch-sizes must all be >= 1, got {' '.join(map(str, args.batch_sizes))}")
+    for flag, value in (("--max-prompt", args.max_prompt), ("--max-tokens", args.max_tokens),
+                        ("--queue-size", args.queue_size)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.dispatch is not None:
+        from clover_jax.model.moe import get_dispatch
+
+        try:
+            get_dispatch(args.dispatch)
+        except ValueError as e:
+            raise UsageError(f"--dispatch: {e}") from e
+
+
+def check_installed() -> None:
+    """UsageError when the `serve` extra is missing."""
+    missing = [m for m in ("fastapi", "uvicorn", "sse_starlette") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"clover serve needs {', '.join(missing)}: pip install 'clover-jax[serve]'")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not listening yet: connections wait for `serve`). UsageError when
+    the address cannot be had (in use, not this host's)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def url(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _say(message: str) -> None:
+    print(f"clover serve: {message}", file=sys.stderr, flush=True)
+
+
+def _compiled(line: str) -> None:
+    _say(line if line.startswith("compiled") else f"compiled {line}")
+
+
+def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
+    """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
+    kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
+                              "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh}
+    if args.max_prompt is not None:
+        kwargs["max_prompt"] = args.max_prompt
+    if args.max_tokens is not None:
+        kwargs["max_tokens"] = args.max_tokens
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, reserve the port, load and compile, then serve until a signal has drained it."""
+    check_flags(args)
+    check_installed()
+    sock = bind(args.host, args.port)  # a busy port fails now, not after minutes of compiling
+    try:
+        cfg, weights, tok, mesh = gen_cmd.load(args.model or gen_cmd.default_model(), args.mesh)
+        from clover_jax.serving.engine import Engine
+
+        engine = Engine(weights, cfg, **engine_kwargs(args, mesh))
+        engine.warm_up(_compiled)
+        engine.start()
+        return _serve(engine, tok, cfg.name, sock, args.log_level)
+    finally:
+        sock.close()
+
+
+class Drainer:
+    """The one drain of a server: mark the app draining (new requests get 503), let the engine finish what
+    it holds in a thread (the event loop keeps streaming meanwhile), then tell uvicorn to exit, which
+    waits for the responses still being sent."""
+
+    def __init__(self, app: Any, engine: Any) -> None:
+        self.app, self.engine = app, engine
+        self.thread: threading.Thread | None = None
+        self.forced = False
+
+    def on_signal(self, server: Any) -> None:
+        """uvicorn's signal handler: the first signal drains, a second one exits at once."""
+        if self.thread is not None:
+            _say("second signal: exiting without waiting for the requests in flight")
+            self.forced = server.force_exit = server.should_exit = True
+            return
+        _say("draining: finishing the requests in flight (signal again to exit at once)")
+        self.start(server)
+
+    def start(self, server: Any | None) -> None:
+        """Begin the drain; uvicorn (`server`, if any) is told to exit once the engine is done."""
+        from clover_jax.serving.api import set_draining
+
+        set_draining(self.app)
+        self.thread = threading.Thread(target=self._drain, args=(server,), name="clover-drain", daemon=True)
+        self.thread.start()
+
+    def _drain(self, server: Any | None) -> None:
+        try:
+            self.engine.drain()
+        except Exception as e:  # still let uvicorn exit
+            _say(f"error while draining: {e!r}")
+        finally:
+            if server is not None:
+                server.should_exit = True
+
+    def finish(self) -> None:
+        """After uvicorn returned: drain now if no signal did (uvicorn stopped for another reason), and wait
+        for it unless a second signal forced the exit."""
+        if self.thread is None:
+            self.start(None)
+        if not self.forced and self.thread is not None:
+            self.thread.join()
+
+
+def _serve(engine: Any, tok: Any, model_name: str, sock: socket.socket, log_level: str) -> int:
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from clover_jax.serving.api import make_app
+
+    # sse-starlette would cut every open stream as soon as uvicorn begins to exit; the drain lets them end.
+    AppStatus.disable_automatic_graceful_drain()
+    app = make_app(engine, tok, model_name, log=lambda m: _say(f"error: {m}"))
+    drainer = Drainer(app, engine)
+    address = url(sock)
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, with SIGTERM/SIGINT starting a drain instead of shutting down at once."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            drainer.on_signal(self)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                _say(f"listening on {address}")
+
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_S)
+    server = DrainingServer(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        drainer.finish()
+    _say("exited without draining" if drainer.forced else "drained, exiting")
+    return 0

@@ -1,0 +1,637 @@
+"""The HTTP face of `clover serve`: an OpenAI-compatible API over a batching engine.
+
+    GET  /health               {"status": "ok"} (503 {"status": "draining"} once shutdown began)
+    GET  /v1/models            the one model, OpenAI list format (GET /v1/models/{id}: that model, or 404)
+    POST /v1/completions       prompt: a string, a list of one string, or a list of token ids
+    POST /v1/chat/completions  messages, rendered by `clover_jax.serving.chat`
+    GET  /metrics              Prometheus text (`clover_jax.serving.metrics`)
+
+Generation fields: max_tokens (default min(128, the server's limit); more than the limit is a 400,
+nothing is clipped), temperature (default 0 = greedy), top_p, stop (a string or up to 4), seed, n
+(1..8 choices, seeds seed, seed+1, ...; without a seed: random ones when temperature > 0, else 0),
+stream (+ stream_options.include_usage), and the extension object
+`"diffusion": {"steps", "block_length", "threshold", "remasking", "cache", "top_k"}`. Unknown
+top-level fields are ignored (OpenAI clients send extras); a known field of the wrong type, an
+unknown `diffusion` field, or a setting the engine refuses is a 400 naming it.
+
+Each choice is one engine `Request`. The engine calls back from its own thread once per committed
+block; `loop.call_soon_threadsafe` moves each `Event` onto the request's asyncio queue. Text is
+decoded host-side from all of a choice's tokens; stop strings are matched there too (the engine is
+then told to cancel the row), and a stream holds back the last `len(longest stop) - 1` characters
+(and a trailing U+FFFD that may be half a UTF-8 character) until the next block, so a stop string
+spanning two blocks never leaks. A client that disconnects has all its choices cancelled.
+
+Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}}: 400 bad JSON, types
+or settings; 404 an unknown model (or route); 429 the engine's queue is full; 503 draining; 500 a
+choice the engine ended with "error" (a device failure) or a bug, logged on the server and answered
+with one line, never a traceback (a stream that fails midway sends an error object, then [DONE]).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import FastAPI
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from clover_jax.serving.chat import MessageError, parse_messages, render_messages
+from clover_jax.serving.metrics import CONTENT_TYPE, Metrics
+from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, Request, ServingError
+from clover_jax.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 128
+MAX_CHOICES = 8
+MAX_STOPS = 4
+RANDOM_SEEDS = 2**31  # a seed drawn for a sampled request without one is in [0, RANDOM_SEEDS)
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+PING_S = 15  # SSE keep-alive comment interval
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+DIFFUSION_FIELDS = ("steps", "block_length", "threshold", "remasking", "cache", "top_k")
+
+
+class ServingEngine(Protocol):
+    """What the HTTP layer needs of `clover_jax.serving.engine.Engine`."""
+
+    block_length: int
+    max_prompt: int
+    max_tokens: int
+
+    def submit(self, req: Request, on_event: Callable[[Event], None]) -> int: ...
+    def cancel(self, rid: int) -> None: ...
+    def stats(self) -> Any: ...
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share (`app.state.clover`). `draining` is set by `set_draining`."""
+
+    engine: Any
+    tokenizer: Tokenizer
+    model_name: str
+    log: Callable[[str], None]
+    metrics: Metrics = field(default_factory=Metrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+
+class EngineFailure(Exception):
+    """The engine ended a choice with finish_reason "error" (its device program failed)."""
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object with HTTP status `status`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        """The JSON error response."""
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
+             log: Callable[[str], None] | None = None) -> FastAPI:
+    """The ASGI app serving `engine` (already started) as model `model_name`. `log` gets one message per
+    internal error (with its traceback); default: the `clover_jax.serving` logger."""
+    state = ServerState(engine, tokenizer, model_name, log or logging.getLogger("clover_jax.serving").error)
+    app = FastAPI(title="clover-jax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.clover = state
+    app.add_middleware(_CountRequests, metrics=state.metrics)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", _model, methods=["GET"])
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
+    return app
+
+
+def set_draining(app: Any, draining: bool = True) -> None:
+    """Mark the app as shutting down: /health answers 503 and new generation requests get 503, while
+    the requests in flight go on."""
+    app.state.clover.draining = draining
+
+
+# --- plain endpoints ------------------------------------------------------------------------------
+
+def _state(request: HTTPRequest) -> ServerState:
+    return request.app.state.clover
+
+
+async def _health(request: HTTPRequest) -> Response:
+    if _state(request).draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+def _model_card(st: ServerState) -> dict[str, Any]:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "clover-jax"}
+
+
+async def _models(request: HTTPRequest) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def _model(request: HTTPRequest) -> Response:
+    st = _state(request)
+    model_id = request.path_params["model_id"]
+    if model_id != st.model_name:
+        return _unknown_model(model_id, st.model_name).response()
+    return JSONResponse(_model_card(st))
+
+
+async def _metrics(request: HTTPRequest) -> Response:
+    st = _state(request)
+    try:
+        stats = st.engine.stats()
+    except Exception:  # a broken engine must not take the HTTP metrics down with it
+        st.log("engine.stats() failed:\n" + traceback.format_exc())
+        stats = None
+    return Response(st.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: HTTPRequest, exc: Exception) -> Response:
+    """The framework's 404/405 as OpenAI error objects (status and headers kept)."""
+    assert isinstance(exc, HTTPException)
+    return ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code), headers=exc.headers).response()
+
+
+class _CountRequests:
+    """ASGI middleware counting every answered HTTP request by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            endpoint = "/v1/models" if path.startswith("/v1/models/") else path if path in ROUTES else "other"
+            self.metrics.count_request(endpoint, status)
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+def _unknown_model(name: str, served: str) -> ApiError:
+    return ApiError(404, f"the model {name!r} does not exist; this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
+def _from_serving(e: ServingError) -> ApiError:
+    """The HTTP error of an engine refusal: 429 queue full, 503 draining, else 400."""
+    if isinstance(e, QueueFull):
+        return ApiError(429, str(e) or "the request queue is full; retry later", type="rate_limit_error",
+                        code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, Draining):
+        return _draining_error()
+    msg = str(e) or type(e).__name__
+    words = msg.replace("(", " ").split()
+    param = next((p for p in (*_REQUEST_PARAMS, "prompt") if p in words), None)
+    return ApiError(400, msg, param=param, code="invalid_value" if isinstance(e, BadRequest) else None)
+
+
+_REQUEST_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "threshold", "steps", "remasking", "seed")
+
+
+def _draining_error() -> ApiError:
+    return ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
+                    code="draining")
+
+
+async def _json_body(request: HTTPRequest) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+_KINDS: dict[str, tuple[type, ...]] = {"an integer": (int,), "a number": (int, float), "a boolean": (bool,),
+                                       "a string": (str,), "an object": (dict,)}
+
+
+def _field(obj: dict[str, Any], key: str, what: str, default: Any = None, where: str = "") -> Any:
+    """obj[key] when present and not null, else `default`; ApiError 400 when it is not `what` (a key of
+    _KINDS; booleans are not numbers). Numbers come back as float."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    kinds = _KINDS[what]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ApiError(400, f"{where}{key} must be {what}, got {shown}", param=where + key, code="invalid_type")
+    return float(value) if what == "a number" else value
+
+
+def _check_model(body: dict[str, Any], served: str) -> None:
+    name = _field(body, "model", "a string")
+    if name is not None and name != served:
+        raise _unknown_model(name, served)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Token ids of a /v1/completions `prompt`: a string, a list of one string, a list of token ids (or
+    a list of one such list). ApiError 400 otherwise, or for several prompts."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return tuple(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise ApiError(400, f"this server takes one prompt per request, got a list of {len(prompt)}; "
+                                "send them as separate requests (or use n for several choices)", param="prompt")
+        return tuple(tokenizer.encode(prompt[0]))
+    if _is_ids(prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and _is_ids(prompt[0]):
+        return tuple(prompt[0])
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt", code="missing_field")
+    raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", param="prompt",
+                   code="invalid_type")
+
+
+def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Token ids of a /v1/chat/completions `messages` list (see `clover_jax.serving.chat`)."""
+    try:
+        messages = parse_messages(body.get("messages"))
+    except MessageError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    return tuple(tokenizer.encode(render_messages(tokenizer, messages)))
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    return tuple(stops)
+
+
+def _diffusion(body: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """The `diffusion` extension as Request fields."""
+    ext = _field(body, "diffusion", "an object", {})
+    unknown = sorted(set(ext) - set(DIFFUSION_FIELDS))
+    if unknown:
+        raise ApiError(400, f"unknown diffusion field(s) {', '.join(unknown)}; known: {', '.join(DIFFUSION_FIELDS)}",
+                       param=f"diffusion.{unknown[0]}")
+    block_length = _field(ext, "block_length", "an integer", where="diffusion.")
+    if block_length is not None and block_length != engine.block_length:
+        raise ApiError(400, f"diffusion.block_length must be {engine.block_length} (the block length this server "
+                            f"runs), got {block_length}", param="diffusion.block_length")
+    cache = _field(ext, "cache", "a string", where="diffusion.")
+    mode = getattr(engine, "cache", None)
+    allowed = ("auto",) if mode in (None, "auto") else ("auto", str(mode))
+    if cache is not None and cache not in allowed:
+        raise ApiError(400, f"diffusion.cache must be {' or '.join(map(repr, allowed))} (this server's cache mode is "
+                            f"fixed at start), got {cache!r}", param="diffusion.cache")
+    out = {"steps": _field(ext, "steps", "an integer", where="diffusion."),
+           "threshold": _field(ext, "threshold", "a number", where="diffusion."),
+           "remasking": _field(ext, "remasking", "a string", where="diffusion."),
+           "top_k": _field(ext, "top_k", "an integer", where="diffusion.")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _seeds(seed: int | None, n: int, temperature: float) -> list[int]:
+    if seed is not None:
+        return [seed + i for i in range(n)]
+    if temperature > 0:
+        return [random.randrange(RANDOM_SEEDS) for _ in range(n)]
+    return [0] * n
+
+
+@dataclass(frozen=True)
+class Job:
+    """A parsed generation request: one engine Request per choice, plus what the HTTP layer does itself."""
+
+    requests: tuple[Request, ...]
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: bool) -> Job:
+    """The Job of a completions (or, with `chat`, chat completions) body. Raises ApiError 400 for a field of
+    the wrong type and BadRequest for settings the engine would refuse (prompt too long, max_tokens too
+    large, ...)."""
+    default_max = min(DEFAULT_MAX_TOKENS, engine.max_tokens)
+    max_tokens = _field(body, "max_tokens", "an integer", default_max)
+    if chat:
+        max_tokens = _field(body, "max_completion_tokens", "an integer", max_tokens)
+    temperature = _field(body, "temperature", "a number", 0.0)
+    n = _field(body, "n", "an integer", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    base = Request(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                   top_p=_field(body, "top_p", "a number", 1.0), **_diffusion(body, engine))
+    stream = _field(body, "stream", "a boolean", False)
+    options = _field(body, "stream_options", "an object", {})
+    include_usage = bool(_field(options, "include_usage", "a boolean", False, where="stream_options."))
+    seeds, stops = _seeds(_field(body, "seed", "an integer"), n, temperature), _stops(body)
+    base.check(engine.block_length, engine.cfg.vocab_size, engine.max_prompt, engine.max_tokens)
+    return Job(tuple(dataclasses.replace(base, seed=s) for s in seeds), stops, stream, include_usage)
+
+
+# --- running a job -------------------------------------------------------------------------------
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+@dataclass
+class Choice:
+    """One choice's progress: its tokens so far and the text released to the client."""
+
+    index: int
+    rid: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stopped: bool = False  # a stop string matched (the engine row still runs until cancelled)
+
+    @property
+    def done(self) -> bool:
+        """Whether nothing more will be released."""
+        return self.finish_reason is not None
+
+    def apply(self, event: Event, decode: Callable[[list[int]], str], stops: Sequence[str]) -> str:
+        """Take one engine event; returns the text newly released (cut before a stop string; while the
+        choice runs, less the tail a stop string or a UTF-8 character could still span)."""
+        self.tokens.extend(event.tokens)
+        full = decode(self.tokens)
+        cut = find_stop(full, stops)
+        if cut is not None:
+            self.finish_reason, self.stopped = "stop", True
+            return self._release(full[:cut])
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            return self._release(full)
+        end = len(full) - (max(map(len, stops)) - 1 if stops else 0)
+        while end > 0 and full[end - 1] == "\ufffd":
+            end -= 1
+        return self._release(full[:max(end, 0)])
+
+    def _release(self, upto: str) -> str:
+        delta = upto[len(self.text):]
+        self.text += delta
+        return delta
+
+
+class Run:
+    """The choices of one HTTP request in the engine: submits them, turns their events into text."""
+
+    def __init__(self, engine: Any, tokenizer: Tokenizer, job: Job, loop: asyncio.AbstractEventLoop,
+                 started: float) -> None:
+        self.engine, self.tokenizer, self.job, self.loop = engine, tokenizer, job, loop
+        self.queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
+        self.choices = [Choice(i) for i in range(len(job.requests))]
+        self.started = started
+        self.first_block: float | None = None
+
+    def _on_event(self, index: int) -> Callable[[Event], None]:
+        loop, queue = self.loop, self.queue
+
+        def on_event(event: Event) -> None:  # runs on the engine thread
+            # a closed loop means nobody waits for this request any more; never raise into the engine
+            with contextlib.suppress(Exception):
+                loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+        return on_event
+
+    def submit(self) -> None:
+        """Submit every choice; if one is refused, cancel those already in and re-raise."""
+        try:
+            for choice, req in zip(self.choices, self.job.requests, strict=True):
+                choice.rid = self.engine.submit(req, self._on_event(choice.index))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Cancel every unfinished choice in the engine (idempotent) and wake `deltas`."""
+        for c in self.choices:
+            if not c.done:
+                c.finish_reason = "cancelled"
+                if c.rid is not None:
+                    self.engine.cancel(c.rid)
+        self.queue.put_nowait(None)
+
+    @property
+    def done(self) -> bool:
+        """Whether every choice has finished."""
+        return all(c.done for c in self.choices)
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, newly released text) after every event, until all choices are done."""
+        while not self.done:
+            item = await self.queue.get()
+            if item is None:
+                continue
+            index, event = item
+            choice = self.choices[index]
+            if choice.done:  # e.g. the "cancelled" event after a stop string matched
+                continue
+            if self.first_block is None and (event.tokens or event.finish_reason is not None):
+                self.first_block = time.monotonic()
+            if event.finish_reason == "error":
+                choice.finish_reason = "error"
+                raise EngineFailure(f"the engine failed while generating choice {index} (request {choice.rid})")
+            delta = choice.apply(event, self.tokenizer.decode, self.job.stops)
+            if choice.stopped and event.finish_reason is None and choice.rid is not None:
+                self.engine.cancel(choice.rid)  # free the row at the next block boundary
+            yield choice, delta
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI usage: the prompt once, the completion tokens of every choice."""
+        prompt = len(self.job.requests[0].prompt)
+        completion = sum(len(c.tokens) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def record(self, metrics: Metrics) -> None:
+        """Time to first block and total latency of a finished run into `metrics` (none for a cancelled one)."""
+        if any(c.finish_reason == "cancelled" for c in self.choices):
+            return
+        now = time.monotonic()
+        metrics.observe_generation((self.first_block or now) - self.started, now - self.started)
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Meta:
+    """The fields every response object of one request shares."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+    def head(self, obj: str) -> dict[str, Any]:
+        """id, object, created, model."""
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def _choice_json(meta: Meta, c: Choice) -> dict[str, Any]:
+    if meta.chat:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                "finish_reason": c.finish_reason}
+    return {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+
+
+def _chunk(meta: Meta, index: int, delta: dict[str, Any] | str, finish: str | None) -> dict[str, str]:
+    """One SSE event: a chat.completion.chunk (delta: a dict) or a text_completion chunk (delta: text)."""
+    if meta.chat:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        body = {**meta.head("chat.completion.chunk"), "choices": [choice]}
+    else:
+        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish}
+        body = {**meta.head("text_completion"), "choices": [choice]}
+    return {"data": json.dumps(body, ensure_ascii=False)}
+
+
+async def _collect(run: Run, meta: Meta, st: ServerState, request: HTTPRequest) -> Response:
+    """Wait for every choice (cancelling them all if the client goes away); the whole response."""
+    watcher = asyncio.ensure_future(_watch_disconnect(run, request))
+    try:
+        async for _ in run.deltas():
+            pass
+    finally:
+        watcher.cancel()
+        run.cancel()  # no-op unless something failed midway
+    run.record(st.metrics)
+    body = {**meta.head("chat.completion" if meta.chat else "text_completion"),
+            "choices": [_choice_json(meta, c) for c in run.choices], "usage": run.usage()}
+    return JSONResponse(body)
+
+
+async def _watch_disconnect(run: Run, request: HTTPRequest) -> None:
+    while not run.done:
+        if await request.is_disconnected():
+            run.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _stream(run: Run, meta: Meta, st: ServerState) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of a streamed run, ending with `data: [DONE]`. Whatever ends it early (a client
+    that disconnects, an error) cancels the choices still running."""
+    try:
+        if meta.chat:
+            for c in run.choices:
+                yield _chunk(meta, c.index, {"role": "assistant"}, None)
+        async for c, delta in run.deltas():
+            if delta:
+                yield _chunk(meta, c.index, {"content": delta} if meta.chat else delta, None)
+            if c.done:
+                yield _chunk(meta, c.index, {} if meta.chat else "", c.finish_reason)
+        if run.job.include_usage:
+            yield {"data": json.dumps({**meta.head(_chunk_object(meta)), "choices": [], "usage": run.usage()})}
+        run.record(st.metrics)
+        yield {"data": "[DONE]"}
+    except Exception as e:
+        failure = _failure(st, meta.id, e)
+        yield {"data": json.dumps({"error": {"message": failure.message, "type": failure.type, "param": None,
+                                             "code": failure.code}})}
+        yield {"data": "[DONE]"}
+    finally:
+        run.cancel()
+
+
+def _chunk_object(meta: Meta) -> str:
+    return "chat.completion.chunk" if meta.chat else "text_completion"
+
+
+# --- the generation endpoints --------------------------------------------------------------------
+
+async def _completions(request: HTTPRequest) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def _chat_completions(request: HTTPRequest) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def _start(request: HTTPRequest, st: ServerState, chat: bool, started: float) -> Run:
+    """Parse the request and submit its choices; raises ApiError or ServingError."""
+    if st.draining:
+        raise _draining_error()
+    body = await _json_body(request)
+    _check_model(body, st.model_name)
+    prompt = chat_prompt(body, st.tokenizer) if chat else completion_prompt(body, st.tokenizer)
+    run = Run(st.engine, st.tokenizer, parse_job(body, st.engine, prompt, chat), asyncio.get_running_loop(), started)
+    run.submit()
+    return run
+
+
+async def _generate(request: HTTPRequest, chat: bool) -> Response:
+    st = _state(request)
+    started = time.monotonic()
+    try:
+        run = await _start(request, st, chat, started)
+        meta = Meta(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), st.model_name, chat)
+        if run.job.stream:
+            return EventSourceResponse(_stream(run, meta, st), sep="\n", ping=PING_S)
+        return await _collect(run, meta, st, request)
+    except ApiError as e:
+        return e.response()
+    except ServingError as e:
+        return _from_serving(e).response()
+    except Exception as e:
+        return _failure(st, request.url.path, e).response()
+
+
+def _failure(st: ServerState, what: str, e: Exception) -> ApiError:
+    """Log an unexpected failure (with the engine's last error, or the traceback) and the 500 that answers it."""
+    if isinstance(e, EngineFailure):
+        st.log(f"{what}: {e}: {getattr(st.engine, 'last_error', None)!r}")
+        return ApiError(500, "the engine failed while generating (logged on the server)", type="server_error",
+                        code="engine_error")
+    st.log(f"{what} failed:\n{traceback.format_exc()}")
+    return ApiError(500, "internal error (logged on the server)", type="server_error", code="internal_error")
