@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N",
                    help="the compiled batch buckets (default 1 2 4 8 16)")
+    p.add_argument("--block-length", type=int, default=32,
+                   help="tokens per block (default 32; at most the model's own blocks for Clover's Gated DeltaNet)")
     p.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default: the engine's)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="most tokens a request may ask for (default: the engine's)")
@@ -57,8 +59,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if any(b < 1 for b in args.batch_sizes):
         raise UsageError(f"--batch-sizes must all be >= 1, got {' '.join(map(str, args.batch_sizes))}")
-    for flag, value in (("--max-prompt", args.max_prompt), ("--max-tokens", args.max_tokens),
-                        ("--queue-size", args.queue_size)):
+    for flag, value in (("--block-length", args.block_length), ("--max-prompt", args.max_prompt),
+                        ("--max-tokens", args.max_tokens), ("--queue-size", args.queue_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.dispatch is not None:
@@ -112,6 +114,7 @@ def _compiled(line: str) -> None:
 def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
+                              "block_length": args.block_length,
                               "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh}
     if args.max_prompt is not None:
         kwargs["max_prompt"] = args.max_prompt

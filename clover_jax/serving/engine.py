@@ -32,6 +32,7 @@ import numpy as np
 
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model.moe import choose_dispatch
 from clover_jax.sampler.program import ForwardFn, ModelForward
 from clover_jax.sampler.scoring import remasking_index
 from clover_jax.serving import program
@@ -135,6 +136,8 @@ class Engine:
         self.cache = mode
         need(self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}")
         if self.forward_fn is None:
+            if self.dispatch is None and self.mesh is not None:  # on a mesh: its expert-parallel strategy
+                self.dispatch = choose_dispatch(self.mesh)
             self.forward_fn = ModelForward(cfg, self.dispatch, self.mesh)
         self.widths = program.prefill_widths(self.columns - bl, bl)
         self._queue: collections.deque[_Job] = collections.deque()
@@ -163,23 +166,38 @@ class Engine:
             return
         say = log or (lambda _msg: None)
         cfg, fwd, bl, mode, s = self.cfg, self.forward_fn, self.block_length, self.cache, self.columns
-        state = program.empty_state(cfg, fwd, self.capacity, s, bl, mode)
+        state = self._empty_state()
+        # on a mesh every program hands the state back where it took it from (rows over the data axis)
+        where = None if self.mesh is None else program.state_shardings(state, self.mesh)
+        anywhere = None if self.mesh is None else self.mesh.sharding(())
+
+        def compile_(fn: Callable[..., Any], donate: int, out: Any, *args: Any) -> Any:
+            kw = {} if self.mesh is None else {"out_shardings": out}
+            return jax.jit(fn, donate_argnums=(donate,), **kw).lower(*args).compile()
+
         row = (jnp.int32(0), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), bool), jnp.zeros((s,), jnp.int32),
                self._row_knobs(Request(prompt=(0,), max_tokens=1)))
         for b in self.batch_sizes:
             t0 = time.perf_counter()
-            fn = jax.jit(functools.partial(program.advance, cfg, fwd, bl, mode, b), donate_argnums=(1,))
-            self._advance[b] = fn.lower(self.weights, state, jnp.ones((b,), bool)).compile()
+            fn = functools.partial(program.advance, cfg, fwd, bl, mode, b)
+            self._advance[b] = compile_(fn, 1, (where, program.BlockOut(*[anywhere] * 4)), self.weights, state,
+                                        jnp.ones((b,), bool))
             say(f"block program for {b} row{'s' if b > 1 else ''} x {s} columns ({mode} cache): "
                 f"{time.perf_counter() - t0:.1f} s")
         for w in (self.widths if mode == "prefix" else (0,)):
             t0 = time.perf_counter()
-            fn = jax.jit(functools.partial(program.admit, cfg, fwd, bl, mode, w), donate_argnums=(1,))
-            self._admit[w] = fn.lower(self.weights, state, *row).compile()
+            fn = functools.partial(program.admit, cfg, fwd, bl, mode, w)
+            self._admit[w] = compile_(fn, 1, where, self.weights, state, *row)
             if mode == "prefix":
                 say(f"prefill program for prompts up to {w} tokens: {time.perf_counter() - t0:.1f} s")
-        self._move = jax.jit(program.move, donate_argnums=(0,)).lower(state, jnp.int32(0), jnp.int32(0)).compile()
+        self._move = compile_(program.move, 0, where, state, jnp.int32(0), jnp.int32(0))
         self._state = state
+
+    def _empty_state(self) -> program.SlotState:
+        """A state with no running row, placed on the mesh when there is one."""
+        state = program.empty_state(self.cfg, self.forward_fn, self.capacity, self.columns, self.block_length,
+                                    self.cache)
+        return state if self.mesh is None else jax.device_put(state, program.state_shardings(state, self.mesh))
 
     def _row_knobs(self, req: Request, n_blocks: int = 1) -> program.RowKnobs:
         return program.RowKnobs(
@@ -365,8 +383,7 @@ class Engine:
                     self._free(slot)
         self.last_error = error
         # the failed call may have consumed the donated state: start again from an empty one
-        self._state = program.empty_state(self.cfg, self.forward_fn, self.capacity, self.columns, self.block_length,
-                                          self.cache)
+        self._state = self._empty_state()
         for job in jobs:
             job.on_event(Event((), "error", job.passes))
 

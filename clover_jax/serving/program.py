@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
+from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import masks
 from clover_jax.sampler.program import ForwardFn
 from clover_jax.sampler.scoring import sample_and_score, select_commits, transfer_count
@@ -95,6 +96,26 @@ def prefill_widths(columns: int, block_length: int) -> tuple[int, ...]:
         out.append(w)
         w *= 2
     return (*out, columns)
+
+
+def state_shardings(state: SlotState, mesh: MeshRules) -> SlotState:
+    """Where a state lives on `mesh`: rows over the mesh's batch axes (per-row leaves [B, ...], cache
+    leaves [layers, B, ...]; attention K/V also split their KV heads as the model does)."""
+    def rows(x: Array) -> Any:
+        return mesh.sharding(("batch",) + (None,) * (x.ndim - 1))
+
+    def cache_rows(x: Array) -> Any:
+        return mesh.sharding((None, "batch") + (None,) * (x.ndim - 2))
+
+    def kv(x: Array | None) -> Any:
+        return None if x is None else mesh.sharding((None, "batch", None, "kv_heads", None))
+
+    cache = state.cache
+    if cache is not None:
+        cache = cache.replace(dense_k=kv(cache.dense_k), dense_v=kv(cache.dense_v), moe_k=kv(cache.moe_k),
+                              moe_v=kv(cache.moe_v), linear=jax.tree.map(cache_rows, cache.linear))
+    return SlotState(rows(state.canvas), rows(state.valid), rows(state.blocks), cache, rows(state.active),
+                     rows(state.fresh), rows(state.block), RowKnobs(*(rows(x) for x in state.knobs)))
 
 
 def _rows(x: Any, b: int) -> Any:

@@ -1,0 +1,195 @@
+"""`clover serve` under load: N concurrent streaming clients on loopback, against `generate` run one
+request at a time on the same prompts.
+
+    python benchmarks/serve.py                       # the shipped model, 1 / 4 / 16 / 64 clients
+    python benchmarks/serve.py --clients 1 16 --requests 32 --max-tokens 64
+
+Starts `clover serve` in a subprocess (`--port 0`, the batch buckets of `--batch-sizes`), waits for it
+to listen (its compile time is printed, not counted), then for each client count N runs N threads
+that each send streaming completions one after another until `--requests` requests are done or
+`--time-limit` seconds passed. Prints per N: requests/s, output tokens/s (the server's usage counts),
+p50 / p99 latency and time to the first block (the first chunk with text), and the server's tokens
+per pass and mean rows per block call from /metrics. Then the same prompts through
+`clover_jax.sampler.generate` one after another in this process (greedy, the same settings, after
+one warm-up call per shape). Prints figures; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "KING RICHARD III:", "First Citizen:\nBefore we proceed",
+           "MENENIUS:", "QUEEN MARGARET:\nSo", "DUKE VINCENTIO:", "LADY CAPULET:"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory or preset (default: the shipped model)")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--requests", type=int, default=64, help="requests per client count (at least one per client)")
+    p.add_argument("--time-limit", type=float, default=180.0, help="seconds per client count")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--no-generate", action="store_true", help="skip the sequential generate baseline")
+    return p.parse_args(argv)
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, int, float]:
+    cmd = [sys.executable, "-m", "clover_jax.cli", "serve", "--port", "0", "--max-prompt", "32",
+           "--max-tokens", str(args.max_tokens), "--batch-sizes", *map(str, args.batch_sizes), "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if "listening on" in line:
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            return proc, int(line.rsplit(":", 1)[1]), time.perf_counter() - t0
+    raise SystemExit(f"serve.py: the server exited ({proc.wait()}) before listening")
+
+
+def one_request(client: object, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """(latency s, time to first block s, completion tokens) of one streaming completion."""
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    stream = client.completions.create(model=MODEL[0], prompt=prompt, max_tokens=max_tokens, stream=True,
+                                       stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text and first is None:
+            first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    total = time.perf_counter() - t0
+    return total, first if first is not None else total, tokens
+
+
+MODEL = [""]
+
+
+def load_run(port: int, n_clients: int, args: argparse.Namespace) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    MODEL[0] = client.models.list().data[0].id
+    todo = max(args.requests, n_clients)
+    lock = threading.Lock()
+    results: list[tuple[float, float, int]] = []
+    counter = [0]
+    end = time.perf_counter() + args.time_limit
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if counter[0] >= todo or time.perf_counter() > end:
+                    return
+                i = counter[0]
+                counter[0] += 1
+            r = one_request(client, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+            with lock:
+                results.append(r)
+
+    before = metrics(port)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = metrics(port)
+    lat = sorted(r[0] for r in results)
+    ttfb = sorted(r[1] for r in results)
+    toks = sum(r[2] for r in results)
+    passes = after.get("clover_row_passes", 0) - before.get("clover_row_passes", 0)
+    blocks = after.get("clover_blocks", 0) - before.get("clover_blocks", 0)
+    rows = after.get("clover_mean_rows_per_block", 0) * after.get("clover_blocks", 0) - \
+        before.get("clover_mean_rows_per_block", 0) * before.get("clover_blocks", 0)
+    return {"clients": n_clients, "requests": len(results), "wall_s": wall, "req_per_s": len(results) / wall,
+            "tok_per_s": toks / wall, "p50_s": pct(lat, 50), "p99_s": pct(lat, 99), "ttfb_p50_s": pct(ttfb, 50),
+            "ttfb_p99_s": pct(ttfb, 99), "tokens": toks,
+            "tokens_per_pass": toks / passes if passes else float("nan"),
+            "rows_per_block": rows / blocks if blocks else float("nan")}
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))]
+
+
+def metrics(port: int) -> dict[str, float]:
+    """The server's unlabelled gauges and counters (name -> value)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name.removesuffix("_total")] = float(value)
+    return out
+
+
+def generate_baseline(args: argparse.Namespace, n: int) -> dict:
+    from clover_jax.commands.generate import default_model, load
+    from clover_jax.sampler import SamplerConfig, generate
+
+    cfg, weights, tok, _ = load(args.model or default_model(), None)
+    gen = -(-args.max_tokens // 32) * 32
+    sc = SamplerConfig(gen_length=gen, block_length=32, cache="prefix")
+    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+    generate(weights, cfg, prompts[:1], sc)  # compile (every prompt here fits the same bucket)
+    lat, toks = [], 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        t1 = time.perf_counter()
+        toks += len(generate(weights, cfg, [p], sc).tokens[0][:args.max_tokens])
+        lat.append(time.perf_counter() - t1)
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return {"clients": "generate", "requests": n, "wall_s": wall, "req_per_s": n / wall, "tok_per_s": toks / wall,
+            "p50_s": pct(lat, 50), "p99_s": pct(lat, 99), "ttfb_p50_s": float("nan"), "ttfb_p99_s": float("nan"),
+            "tokens": toks, "tokens_per_pass": float("nan"), "rows_per_block": 1.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    proc, port, ready_s = start_server(args)
+    print(f"server ready after {ready_s:.1f} s (load + compile of every bucket)")
+    rows = []
+    try:
+        for n in args.clients:
+            rows.append(load_run(port, n, args))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    if not args.no_generate:
+        rows.append(generate_baseline(args, min(args.requests, 32)))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\nmax_tokens {args.max_tokens}, buckets {args.batch_sizes}")
+    print("| clients | requests | req/s | output tok/s | p50 latency | p99 latency | p50 first block | tokens/pass |"
+          " rows/block |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['requests']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} "
+              f"| {r['p50_s']:.2f} s | {r['p99_s']:.2f} s | {r['ttfb_p50_s']:.2f} s | {r['tokens_per_pass']:.2f} "
+              f"| {r['rows_per_block']:.1f} |")
+    one = next((r for r in rows if r["clients"] == 1), None)
+    sixteen = next((r for r in rows if r["clients"] == 16), None)
+    if one and sixteen:
+        print(f"\ntokens/s at 16 clients / at 1 client: {sixteen['tok_per_s'] / one['tok_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""The serving engine (`clover_jax.serving.engine`): rows that join and leave at block boundaries give
+every request exactly the tokens it gets alone from `sampler.generate`, whatever shares its batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import pytest
+
+from clover_jax import shipped
+from clover_jax.checkpoint import load_model
+from clover_jax.config import get_config
+from clover_jax.model import params
+from clover_jax.sampler import SamplerConfig, generate
+from clover_jax.serving.engine import Engine
+from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, Request, ServingError
+from clover_jax.tokenizer import load_tokenizer
+
+L = 32
+
+
+class Collector:
+    """Events per request id; `wait` blocks until every submitted request has finished."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, list[Event]] = {}
+        self._cv = threading.Condition()
+
+    def sink(self, key: int):
+        def on_event(ev: Event) -> None:
+            with self._cv:
+                self.events.setdefault(key, []).append(ev)
+                self._cv.notify_all()
+        return on_event
+
+    def wait(self, keys: list[int], timeout: float = 300.0) -> None:
+        end = time.monotonic() + timeout
+        with self._cv:
+            while not all(self.events.get(k) and self.events[k][-1].finish_reason for k in keys):
+                left = end - time.monotonic()
+                assert left > 0, f"requests {keys} did not finish: {self.events}"
+                self._cv.wait(left)
+
+    def tokens(self, key: int) -> list[int]:
+        return [t for ev in self.events[key] for t in ev.tokens]
+
+    def reason(self, key: int) -> str | None:
+        return self.events[key][-1].finish_reason
+
+
+def alone(weights, cfg, prompt: list[int], req: Request) -> list[int]:
+    """The same request through `generate` on its own (block-aligned length, then cut at max_tokens)."""
+    n_blocks = -(-req.max_tokens // L)
+    steps = (req.steps or L) * n_blocks
+    sc = SamplerConfig(gen_length=n_blocks * L, block_length=L, steps=steps, threshold=req.threshold,
+                       temperature=req.temperature, seed=req.seed, cache="prefix")
+    return generate(weights, cfg, [prompt], sc).tokens[0][:req.max_tokens]
+
+
+@pytest.fixture(scope="module")
+def shipped_engine():
+    cfg, weights = load_model(str(shipped.MODEL_DIR))
+    tok = load_tokenizer(str(shipped.MODEL_DIR))
+    eng = Engine(weights, cfg, max_prompt=32, max_tokens=64, batch_sizes=(1, 4), queue_size=64)
+    lines: list[str] = []
+    eng.warm_up(lines.append)
+    eng.start()
+    yield eng, tok, lines
+    eng.drain(timeout=120)
+
+
+def test_warm_up_lists_every_program(shipped_engine):
+    _, _, lines = shipped_engine
+    assert [line.split(":")[0] for line in lines] == [
+        "block program for 1 row x 96 columns (prefix cache)", "block program for 4 rows x 96 columns (prefix cache)",
+        "prefill program for prompts up to 32 tokens", "prefill program for prompts up to 64 tokens"]
+
+
+def test_mixed_requests_equal_each_run_alone(shipped_engine):
+    """Six requests of different prompt lengths, lengths and settings arrive while others run (more than
+    the 4 rows, so some wait for a free row); each gets what it gets alone. No program compiles while
+    serving."""
+    eng, tok, _ = shipped_engine
+    texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou", "KING", "First Citizen:\nBefore we proceed",
+             "MENENIUS:\nWhat work's, my countrymen,", "Second Servant:"]
+    settings = zip([40, 64, 7, 33, 64, 20], [0, 0, 0.5, 0, 0.3, 0], [None, 16, None, 8, None, 4], strict=True)
+    reqs = [Request(tuple(tok.encode(t)), m, threshold=th, steps=st)
+            for t, (m, th, st) in zip(texts, settings, strict=True)]
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None)
+    before = eng.stats()
+    col = Collector()
+    for i, r in enumerate(reqs):
+        eng.submit(r, col.sink(i))
+        time.sleep(0.15)
+    col.wait(list(range(len(reqs))))
+    assert compiles == [], f"programs compiled while serving: {compiles}"
+    after = eng.stats()
+    assert after.requests_finished - before.requests_finished == len(reqs)
+    assert after.active_rows == 0 and after.queue_depth == 0
+    assert after.mean_rows_per_block > 1, "rows never shared a block call"
+    for i, r in enumerate(reqs):
+        got = col.tokens(i)
+        assert got == alone(eng.weights, eng.cfg, list(r.prompt), r), f"request {i} ({texts[i]!r}) differs"
+        assert len(got) <= r.max_tokens
+        assert col.reason(i) == ("length" if len(got) == r.max_tokens else "stop")
+    assert after.tokens_generated - before.tokens_generated == sum(len(col.tokens(i)) for i in range(len(reqs)))
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
+    eng, tok, _ = shipped_engine
+    req = Request(tuple(tok.encode("ROMEO:")), 40, temperature=0.9, seed=1234)
+    col = Collector()
+    eng.submit(req, col.sink(0))
+    col.wait([0])
+    others = [Request(tuple(tok.encode(t)), 64, temperature=t2, seed=s) for t, t2, s in
+              [("KING", 0.0, 0), ("JULIET:", 1.2, 7), ("First Citizen:", 0.5, 99)]]
+    for i, r in enumerate(others, start=1):
+        eng.submit(r, col.sink(i))
+    eng.submit(req, col.sink(9))
+    eng.submit(dataclasses.replace(req, seed=4321), col.sink(10))
+    col.wait([1, 2, 3, 9, 10])
+    assert col.tokens(9) == col.tokens(0), "the same seed gave other text next to other requests"
+    assert col.tokens(10) != col.tokens(0), "another seed gave the same text"
+
+
+def test_cancel_frees_the_row_and_spares_the_others(shipped_engine):
+    eng, tok, _ = shipped_engine
+    col = Collector()
+    slow = eng.submit(Request(tuple(tok.encode("KING RICHARD:")), 64, steps=32), col.sink(0))
+    keep = Request(tuple(tok.encode("QUEEN:")), 64)
+    eng.submit(keep, col.sink(1))
+    deadline = time.monotonic() + 120
+    while not eng.stats().active_rows and time.monotonic() < deadline:  # admitted: its first block runs
+        time.sleep(0.005)
+    eng.cancel(slow)  # dropped before its second block
+    col.wait([0, 1])
+    assert col.reason(0) == "cancelled"
+    assert len(col.tokens(0)) < 64
+    assert col.tokens(1) == alone(eng.weights, eng.cfg, list(keep.prompt), keep)
+    assert eng.stats().active_rows == 0
+
+
+def test_bad_requests_are_refused_before_queueing(shipped_engine):
+    eng, _, _ = shipped_engine
+    with pytest.raises(BadRequest, match="at most 32"):
+        eng.submit(Request(tuple(range(5, 45)), 8), lambda ev: None)
+    with pytest.raises(BadRequest, match="max_tokens"):
+        eng.submit(Request((5, 6), 65), lambda ev: None)
+    with pytest.raises(BadRequest, match="temperature"):
+        eng.submit(Request((5, 6), 8, temperature=-1.0), lambda ev: None)
+    with pytest.raises(BadRequest, match="outside"):
+        eng.submit(Request((5, 99999), 8), lambda ev: None)
+    with pytest.raises(BadRequest, match="steps"):
+        eng.submit(Request((5, 6), 8, steps=33), lambda ev: None)
+
+
+def test_engine_refuses_what_it_cannot_run():
+    with pytest.raises(ServingError, match="bidirectional"):
+        Engine(None, get_config("clover-tiny-attention").replace(attention="bidirectional"))
+    cfg = get_config("clover-tiny")
+    with pytest.raises(ServingError, match="max_seq_len"):
+        Engine(None, cfg, max_prompt=1000, max_tokens=100)
+    with pytest.raises(ServingError, match="longer than the model's blocks"):
+        Engine(None, cfg, block_length=64)
+
+
+def test_queue_full_and_draining():
+    """A tiny random attention-only model (the non-hybrid path): a full queue answers QueueFull, drain
+    lets queued requests finish and then refuses new ones."""
+    cfg = get_config("clover-tiny-attention").replace(n_layers=2)
+    weights = params.init(cfg, jax.random.key(0))
+    eng = Engine(weights, cfg, max_prompt=32, max_tokens=32, batch_sizes=(2,), queue_size=2)
+    eng.warm_up()
+    col = Collector()
+    reqs = [Request((5 + i, 6, 7), 32) for i in range(2)]
+    ids = [eng.submit(r, col.sink(i)) for i, r in enumerate(reqs)]  # not started: both wait in the queue
+    with pytest.raises(QueueFull):
+        eng.submit(Request((5,), 8), lambda ev: None)
+    eng.start()
+    eng.drain(timeout=120)
+    assert len(ids) == 2 and all(col.reason(i) in ("length", "stop") for i in range(2))
+    for i, r in enumerate(reqs):
+        assert col.tokens(i) == alone(weights, cfg, list(r.prompt), r)
+    with pytest.raises(Draining):
+        eng.submit(Request((5,), 8), lambda ev: None)
+
+
+# ---- the HTTP server, through the real openai client ---------------------------------------------------
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+@pytest.fixture(scope="module")
+def server(shipped_engine):
+    """The shipped engine behind `make_app`, served by uvicorn on a free loopback port in a thread."""
+    from clover_jax.serving.api import make_app
+
+    eng, tok, _ = shipped_engine
+    app = make_app(eng, tok, eng.cfg.name)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (srv.started and srv.servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+    yield client, eng, tok, port
+    srv.should_exit = True
+    thread.join(30)
+
+
+def _alone_text(eng, tok, prompt: str, max_tokens: int, **kw) -> str:
+    return tok.decode(alone(eng.weights, eng.cfg, tok.encode(prompt), Request((0,), max_tokens, **kw)))
+
+
+def test_completion_and_chat(server):
+    client, eng, tok, _ = server
+    out = client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=40)
+    assert out.choices[0].text == _alone_text(eng, tok, "ROMEO:", 40)
+    assert out.usage.prompt_tokens == len(tok.encode("ROMEO:"))
+    assert out.choices[0].finish_reason in ("length", "stop")
+    chat = client.chat.completions.create(model=eng.cfg.name, messages=[{"role": "user", "content": "Speak."}],
+                                          max_tokens=32)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [eng.cfg.name]
+
+
+def test_streaming_sends_each_block_as_it_is_committed(server):
+    client, eng, _, _ = server
+    whole = client.completions.create(model=eng.cfg.name, prompt="JULIET:", max_tokens=64).choices[0].text
+    chunks = [c.choices[0].text for c in client.completions.create(model=eng.cfg.name, prompt="JULIET:",
+                                                                    max_tokens=64, stream=True)]
+    assert "".join(chunks) == whole
+    assert sum(bool(c) for c in chunks) >= 2, f"64 tokens in blocks of 32 came as {chunks}"
+
+
+def test_stop_sequence_and_seed(server):
+    client, eng, tok, _ = server
+    full = _alone_text(eng, tok, "KING:", 64)
+    assert "\n" in full
+    out = client.completions.create(model=eng.cfg.name, prompt="KING:", max_tokens=64, stop=["\n"])
+    assert out.choices[0].text == full[:full.index("\n")] and out.choices[0].finish_reason == "stop"
+    a = client.completions.create(model=eng.cfg.name, prompt="KING:", max_tokens=40, temperature=0.9, seed=7)
+    b = client.completions.create(model=eng.cfg.name, prompt="KING:", max_tokens=40, temperature=0.9, seed=7, n=2)
+    assert b.choices[0].text == a.choices[0].text  # choice 0 has seed 7 whatever shares the batch
+    assert b.choices[1].text != a.choices[0].text  # choice 1 has seed 8
+
+
+def test_concurrent_clients_each_equal_their_request_alone(server):
+    """32 clients at once with mixed prompts and lengths (4 rows, so most wait for a row)."""
+    client, eng, tok, _ = server
+    prompts = ["ROMEO:", "JULIET:", "KING:", "First Citizen:", "QUEEN MARGARET:", "MENENIUS:\nWhat work's"]
+    jobs = [(prompts[i % len(prompts)], (16, 40, 64)[i % 3]) for i in range(32)]
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        p, m = jobs[i]
+        results[i] = client.completions.create(model=eng.cfg.name, prompt=p, max_tokens=m).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert len(results) == len(jobs)
+    expected = {job: _alone_text(eng, tok, *job) for job in set(jobs)}
+    for i, job in enumerate(jobs):
+        assert results[i] == expected[job], f"client {i} {job}"
+
+
+def test_disconnect_frees_the_row(server):
+    import httpx
+
+    client, eng, tok, port = server
+    body = {"prompt": "ROMEO:", "max_tokens": 64, "stream": True, "diffusion": {"steps": 32}}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # the first block arrived: hang up
+    deadline = time.monotonic() + 120
+    while eng.stats().active_rows and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.stats().active_rows == 0
+    out = client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=16)
+    assert out.choices[0].text == _alone_text(eng, tok, "ROMEO:", 16)
+
+
+def test_bad_requests_get_openai_errors(server):
+    client, eng, _, _ = server
+    with pytest.raises(openai.BadRequestError, match="at most 32"):
+        client.completions.create(model=eng.cfg.name, prompt="ROMEO: " * 40, max_tokens=8)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=8, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="ROMEO:", max_tokens=8)
+    assert client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=8).choices[0].text
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    """`clover serve` in a subprocess on a tiny random model: SIGTERM mid-stream lets the stream finish,
+    new requests get 503, and the process exits 0 with "drained"."""
+    import httpx
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "CLOVER_COMPILE_CACHE": "off"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clover_jax.cli", "serve", "--model", "clover-tiny-attention", "--port", "0",
+         "--batch-sizes", "2", "--max-prompt", "32", "--max-tokens", "64", "--log-level", "warning"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        for line in proc.stderr:
+            if "listening on" in line:
+                port = int(line.rsplit(":", 1)[1])
+                break
+        assert port, "the server never listened"
+        base = f"http://127.0.0.1:{port}/v1"
+        # 8 choices on 2 rows: four rounds of two blocks of 32 passes each are still running at the signal
+        body = {"prompt": "abc", "max_tokens": 64, "stream": True, "n": 8, "diffusion": {"steps": 32}}
+        got: list[str] = []
+        with httpx.stream("POST", f"{base}/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data:"):
+                    got.append(line)
+                    break
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            late = httpx.post(f"{base}/completions", json={"prompt": "x", "max_tokens": 8}, timeout=30)
+            got += [line for line in lines if line.startswith("data:")]
+        assert late.status_code == 503
+        assert got[-1] == "data: [DONE]"
+        finals = {c["index"]: c["finish_reason"] for x in got[:-1] for c in json.loads(x[5:])["choices"]
+                  if c["finish_reason"]}
+        assert finals == dict.fromkeys(range(8), "length"), got
+        assert proc.wait(120) == 0
+        assert "drained" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_engine_on_a_mesh_gives_the_single_device_tokens(devices):
+    """The shipped model sharded on 8 fake devices (cpu-8: 2-way data x 4-way expert), rows over the data
+    axis: two requests that run together get what `generate` gives each alone on one device."""
+    from clover_jax.mesh import layouts
+
+    mesh = layouts.mesh_from_arg("cpu-8")
+    cfg, one_device = load_model(str(shipped.MODEL_DIR))
+    _, sharded = load_model(str(shipped.MODEL_DIR), params.weight_shardings(cfg, mesh.mesh, mesh.rules))
+    with pytest.raises(ServingError, match="multiples of the mesh's data axis"):
+        Engine(sharded, cfg, batch_sizes=(1, 2), mesh=mesh)
+    eng = Engine(sharded, cfg, max_prompt=32, max_tokens=64, batch_sizes=(2,), mesh=mesh)
+    eng.start()
+    col = Collector()
+    reqs = [Request((5, 9, 17, 33), 64, steps=16), Request((7, 11), 40, threshold=0.5)]
+    for i, r in enumerate(reqs):
+        eng.submit(r, col.sink(i))
+    col.wait([0, 1])
+    eng.drain(timeout=60)
+    assert eng._state.canvas.sharding.spec[0] == "data"
+    for i, r in enumerate(reqs):
+        assert col.tokens(i) == alone(one_device, cfg, list(r.prompt), r)
