@@ -11,7 +11,9 @@ that each send streaming completions one after another until `--requests` reques
 p50 / p99 latency and time to the first block (the first chunk with text), and the server's tokens
 per pass and mean rows per block call from /metrics. Then the same prompts through
 `clover_jax.sampler.generate` one after another in this process (greedy, the same settings, after
-one warm-up call per shape). Prints figures; asserts nothing about time.
+one warm-up call per shape). `--engine` also runs the same closed-loop clients on an `Engine` in this
+process (no HTTP), which separates what the batching gives from what the HTTP layer costs. Prints
+figures; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--no-generate", action="store_true", help="skip the sequential generate baseline")
+    p.add_argument("--engine", action="store_true",
+                   help="also the same clients on the engine in this process (no HTTP): what the batching gives")
     return p.parse_args(argv)
 
 
@@ -77,16 +83,11 @@ def one_request(client: object, prompt: str, max_tokens: int) -> tuple[float, fl
 MODEL = [""]
 
 
-def load_run(port: int, n_clients: int, args: argparse.Namespace) -> dict:
-    import openai
-
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    MODEL[0] = client.models.list().data[0].id
-    todo = max(args.requests, n_clients)
-    lock = threading.Lock()
-    results: list[tuple[float, float, int]] = []
-    counter = [0]
-    end = time.perf_counter() + args.time_limit
+def closed_loop(n_clients: int, todo: int, time_limit: float, one: Callable[[int], tuple]) -> tuple[list, float]:
+    """`n_clients` threads, each calling `one(i)` for the next request index i until `todo` requests ran
+    or `time_limit` seconds passed; returns the results and the wall time."""
+    lock, counter, results = threading.Lock(), [0], []
+    end = time.perf_counter() + time_limit
 
     def worker() -> None:
         while True:
@@ -95,18 +96,27 @@ def load_run(port: int, n_clients: int, args: argparse.Namespace) -> dict:
                     return
                 i = counter[0]
                 counter[0] += 1
-            r = one_request(client, PROMPTS[i % len(PROMPTS)], args.max_tokens)
+            r = one(i)
             with lock:
                 results.append(r)
 
-    before = metrics(port)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(n_clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def load_run(port: int, n_clients: int, args: argparse.Namespace) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    MODEL[0] = client.models.list().data[0].id
+    before = metrics(port)
+    results, wall = closed_loop(n_clients, max(args.requests, n_clients), args.time_limit,
+                                lambda i: one_request(client, PROMPTS[i % len(PROMPTS)], args.max_tokens))
     after = metrics(port)
     lat = sorted(r[0] for r in results)
     ttfb = sorted(r[1] for r in results)
@@ -138,6 +148,46 @@ def metrics(port: int) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name.removesuffix("_total")] = float(value)
     return out
+
+
+def engine_runs(args: argparse.Namespace) -> list[dict]:
+    """The same closed-loop clients calling `Engine.submit` in this process: no HTTP, no JSON, no SSE."""
+    from clover_jax.commands.generate import default_model, load
+    from clover_jax.serving.engine import Engine
+    from clover_jax.serving.requests import Request
+
+    cfg, weights, tok, _ = load(args.model or default_model(), None)
+    eng = Engine(weights, cfg, max_prompt=32, max_tokens=args.max_tokens, batch_sizes=tuple(args.batch_sizes))
+    eng.start()
+    prompts = [tuple(tok.encode(p)) for p in PROMPTS]
+    rows = []
+    for n_clients in args.clients:
+        def one(i: int) -> tuple[float, int]:
+            done, got, t0 = threading.Event(), [0], time.perf_counter()
+
+            def on_event(ev: Any) -> None:
+                got[0] += len(ev.tokens)
+                if ev.finish_reason:
+                    done.set()
+
+            eng.submit(Request(prompts[i % len(prompts)], args.max_tokens), on_event)
+            done.wait()
+            return time.perf_counter() - t0, got[0]
+
+        before = eng.stats()
+        results, wall = closed_loop(n_clients, max(args.requests, n_clients), args.time_limit, one)
+        after = eng.stats()
+        lat = sorted(r[0] for r in results)
+        toks = sum(r[1] for r in results)
+        blocks = after.blocks_run - before.blocks_run
+        rows.append({"clients": f"{n_clients} (engine)", "requests": len(results), "wall_s": wall,
+                     "req_per_s": len(results) / wall, "tok_per_s": toks / wall, "p50_s": pct(lat, 50),
+                     "p99_s": pct(lat, 99), "ttfb_p50_s": float("nan"), "ttfb_p99_s": float("nan"), "tokens": toks,
+                     "tokens_per_pass": toks / max(after.row_passes - before.row_passes, 1),
+                     "rows_per_block": (after.rows_in_blocks - before.rows_in_blocks) / max(blocks, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    eng.drain()
+    return rows
 
 
 def generate_baseline(args: argparse.Namespace, n: int) -> dict:
@@ -174,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         proc.terminate()
         proc.wait(120)
+    if args.engine:
+        rows += engine_runs(args)
     if not args.no_generate:
         rows.append(generate_baseline(args, min(args.requests, 32)))
         print(json.dumps(rows[-1]), flush=True)
@@ -185,10 +237,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['clients']} | {r['requests']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} "
               f"| {r['p50_s']:.2f} s | {r['p99_s']:.2f} s | {r['ttfb_p50_s']:.2f} s | {r['tokens_per_pass']:.2f} "
               f"| {r['rows_per_block']:.1f} |")
-    one = next((r for r in rows if r["clients"] == 1), None)
-    sixteen = next((r for r in rows if r["clients"] == 16), None)
-    if one and sixteen:
-        print(f"\ntokens/s at 16 clients / at 1 client: {sixteen['tok_per_s'] / one['tok_per_s']:.2f}x")
+    for tag in ("", " (engine)"):
+        one = next((r for r in rows if str(r["clients"]) == f"1{tag}"), None)
+        sixteen = next((r for r in rows if str(r["clients"]) == f"16{tag}"), None)
+        if one and sixteen:
+            print(f"tokens/s at 16 clients / at 1 client{tag}: {sixteen['tok_per_s'] / one['tok_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
