@@ -11,9 +11,10 @@ that each send streaming completions one after another until `--requests` reques
 p50 / p99 latency and time to the first block (the first chunk with text), and the server's tokens
 per pass and mean rows per block call from /metrics. Then the same prompts through
 `clover_jax.sampler.generate` one after another in this process (greedy, the same settings, after
-one warm-up call per shape). `--engine` also runs the same closed-loop clients on an `Engine` in this
-process (no HTTP), which separates what the batching gives from what the HTTP layer costs. Prints
-figures; asserts nothing about time.
+one warm-up call per shape). `--pass-scaling` only times the model's refinement pass at batch 1 / 4
+/ 16 (the ceiling of what batching can give on this machine). `--engine` also runs the same
+closed-loop clients on an `Engine` in this process (no HTTP), which separates what the batching gives
+from what the HTTP layer costs. Prints figures; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--no-generate", action="store_true", help="skip the sequential generate baseline")
+    p.add_argument("--pass-scaling", action="store_true",
+                   help="only time the model's refinement pass at batch 1 / 4 / 16 (what batching can give here)")
     p.add_argument("--engine", action="store_true",
                    help="also the same clients on the engine in this process (no HTTP): what the batching gives")
     return p.parse_args(argv)
@@ -190,6 +193,43 @@ def engine_runs(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def pass_scaling(args: argparse.Namespace, batches: tuple[int, ...] = (1, 4, 16), reps: int = 20) -> None:
+    """ms of the model's refinement pass (one block of 32 against a cache of the server's columns) at
+    each batch: the most batching can give on this machine is the ratio of tokens per second."""
+    import jax
+    import jax.numpy as jnp
+
+    from clover_jax.commands.generate import default_model, load
+    from clover_jax.model import masks, transformer
+
+    cfg, weights, _, _ = load(args.model or default_model(), None)
+    bl = 32
+    s = 32 + -(-args.max_tokens // bl) * bl
+    base = None
+    for b in batches:
+        valid = jnp.ones((b, s), bool)
+        ids = jnp.broadcast_to(jnp.where(jnp.arange(s) >= s - bl, s, jnp.arange(s) // cfg.block_size), (b, s))
+        qv, qi = valid[:, s - bl:], ids[:, s - bl:]
+        mask = masks.attention_mask(qv, qi, valid, ids, True)
+        pos = masks.positions(valid)[:, s - bl:]
+        extra = dict(valid=qv, blocks=qi, commit=0) if cfg.is_hybrid else {}
+
+        def one(w: Any, t: Any, c: Any, mask=mask, pos=pos, extra=extra) -> Any:
+            return transformer.forward(w, cfg, t, pos, mask, c, jnp.int32(s - bl), logits_start=0, logits_len=bl,
+                                       **extra).logits[0, 0, 0]
+
+        loop = jax.jit(lambda w, t, c, one=one: jax.lax.fori_loop(
+            0, reps, lambda i, acc: acc + one(w, t + (acc > 1e30).astype(jnp.int32), c), 0.0))
+        args_ = (weights, jnp.full((b, bl), 5, jnp.int32), transformer.init_cache(cfg, b, s))
+        loop(*args_).block_until_ready()
+        t0 = time.perf_counter()
+        loop(*args_).block_until_ready()
+        ms = (time.perf_counter() - t0) / reps * 1e3
+        rate = b * bl / ms * 1e3
+        base = base or rate
+        print(f"refinement pass, batch {b:3d}: {ms:7.2f} ms  {rate:8.0f} tok/s  ({rate / base:.2f}x batch 1)")
+
+
 def generate_baseline(args: argparse.Namespace, n: int) -> dict:
     from clover_jax.commands.generate import default_model, load
     from clover_jax.sampler import SamplerConfig, generate
@@ -214,6 +254,9 @@ def generate_baseline(args: argparse.Namespace, n: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.pass_scaling:
+        pass_scaling(args)
+        return
     proc, port, ready_s = start_server(args)
     print(f"server ready after {ready_s:.1f} s (load + compile of every bucket)")
     rows = []
