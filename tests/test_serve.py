@@ -150,6 +150,33 @@ def test_cancel_frees_the_row_and_spares_the_others(shipped_engine):
     assert eng.stats().active_rows == 0
 
 
+def test_queued_cancel_and_a_raising_callback(shipped_engine):
+    """A request cancelled while it waits for a row ends at once; a callback that raises hurts nobody else
+    (its batch mates get their tokens, the scheduler goes on)."""
+    eng, tok, _ = shipped_engine
+    col = Collector()
+    prompt = tuple(tok.encode("ROMEO:"))
+    for i in range(4):  # fill the 4 rows
+        eng.submit(Request(prompt, 64, steps=32, seed=i, temperature=0.5), col.sink(i))
+    waiting = eng.submit(Request(prompt, 64), col.sink(4))
+    eng.cancel(waiting)
+    assert col.reason(4) == "cancelled" and col.tokens(4) == []
+
+    def boom(ev: Event) -> None:
+        raise RuntimeError("a client bug")
+
+    eng.submit(Request(prompt, 40), boom)
+    good = Request(tuple(tok.encode("KING:")), 40)
+    eng.submit(good, col.sink(5))
+    col.wait([0, 1, 2, 3, 5])
+    assert all(col.reason(i) in ("length", "stop") for i in range(4))
+    assert col.tokens(5) == alone(eng.weights, eng.cfg, list(good.prompt), good)
+    after = Collector()
+    eng.submit(good, after.sink(0))
+    after.wait([0])
+    assert after.tokens(0) == col.tokens(5)
+
+
 def test_bad_requests_are_refused_before_queueing(shipped_engine):
     eng, _, _ = shipped_engine
     with pytest.raises(BadRequest, match="at most 32"):
@@ -285,12 +312,21 @@ def test_disconnect_frees_the_row(server):
     import httpx
 
     client, eng, tok, port = server
-    body = {"prompt": "ROMEO:", "max_tokens": 64, "stream": True, "diffusion": {"steps": 32}}
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                break  # the first block arrived: hang up
-    deadline = time.monotonic() + 120
+    cancelled: list[int] = []
+    cancel = eng.cancel
+    eng.cancel = lambda rid: (cancelled.append(rid), cancel(rid))  # type: ignore[method-assign]
+    try:
+        body = {"prompt": "ROMEO:", "max_tokens": 64, "stream": True, "diffusion": {"steps": 32}}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # the first block arrived: hang up
+        deadline = time.monotonic() + 120
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        eng.cancel = cancel  # type: ignore[method-assign]
+    assert len(cancelled) == 1, "the server did not cancel the request of a client that hung up"
     while eng.stats().active_rows and time.monotonic() < deadline:
         time.sleep(0.05)
     assert eng.stats().active_rows == 0

@@ -650,8 +650,8 @@ def test_serve_busy_port(capsys):
 def test_engine_kwargs():
     args = cli.build_parser().parse_args(["serve", "--batch-sizes", "4", "1", "4", "--max-tokens", "256"])
     kw = serve_cmd.engine_kwargs(args, None)
-    assert kw == {"batch_sizes": (1, 4), "cache": "auto", "queue_size": 256, "dispatch": None, "mesh": None,
-                  "max_tokens": 256}
+    assert kw == {"batch_sizes": (1, 4), "cache": "auto", "block_length": 32, "queue_size": 256, "dispatch": None,
+                  "mesh": None, "max_tokens": 256}
 
 
 def install_fake_engine(delay: float) -> None:
@@ -671,7 +671,8 @@ def _read_lines(stream: Any, out: queue.Queue) -> None:
 
 def test_serve_drains_on_sigterm():
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_serve_api as t; t.install_fake_engine(0.2); "
-            "from clover_jax import cli; sys.exit(cli.main(['serve', '--port', '0', '--log-level', 'warning']))")
+            "from clover_jax import cli; "
+            "sys.exit(cli.main(['serve', '--port', '0', '--block-length', '4', '--log-level', 'warning']))")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -718,7 +719,7 @@ def test_openai_client_reads_the_responses(client):
     oa = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
     assert [m.id for m in oa.models.list().data] == [MODEL]
     r = oa.completions.create(model=MODEL, prompt="abcdefgh", max_tokens=8, stop=["fg"])
-    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("abcde", "stop", 8)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("abcde", "stop", 5)
     chunks = list(oa.completions.create(model=MODEL, prompt="abcd", max_tokens=8, n=2, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == 1) == "abcdabcd"
     stream = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,

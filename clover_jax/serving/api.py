@@ -395,6 +395,7 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     stopped: bool = False  # a stop string matched (the engine row still runs until cancelled)
+    used: int | None = None  # with a stop match: the tokens the returned text came from
 
     @property
     def done(self) -> bool:
@@ -409,6 +410,8 @@ class Choice:
         cut = find_stop(full, stops)
         if cut is not None:
             self.finish_reason, self.stopped = "stop", True
+            # the fewest tokens whose text reaches the cut: what usage counts
+            self.used = next(k for k in range(len(self.tokens) + 1) if len(decode(self.tokens[:k])) >= cut)
             return self._release(full[:cut])
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
@@ -491,7 +494,7 @@ class Run:
     def usage(self) -> dict[str, int]:
         """OpenAI usage: the prompt once, the completion tokens of every choice."""
         prompt = len(self.job.requests[0].prompt)
-        completion = sum(len(c.tokens) for c in self.choices)
+        completion = sum(len(c.tokens) if c.used is None else c.used for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def record(self, metrics: Metrics) -> None:

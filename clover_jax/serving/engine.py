@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model.moe import choose_dispatch
+from clover_jax.sampler.generate import resolve_rule
 from clover_jax.sampler.program import ForwardFn, ModelForward
 from clover_jax.sampler.scoring import remasking_index
 from clover_jax.serving import program
@@ -106,6 +108,7 @@ class Engine:
     dispatch: str | None = None
     mesh: MeshRules | None = None
     forward_fn: ForwardFn | None = None
+    admit_window_s: float = 0.02  # after rows freed: wait this long (at most 5% of a block) for new requests
     _lock: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +150,8 @@ class Engine:
         self._count = _Counters()
         self._draining = False
         self._stopping = False
+        self._freed = 0  # rows the last block call freed
+        self._block_s = 0.0  # wall time of the last block call
         self._thread: threading.Thread | None = None
         self._advance: dict[int, Any] = {}
         self._admit: dict[int, Any] = {}
@@ -203,7 +208,8 @@ class Engine:
         return program.RowKnobs(
             np.float32(req.temperature), np.float32(req.top_p), np.int32(req.top_k), np.float32(req.threshold),
             np.int32(req.steps or self.block_length), np.int32(remasking_index(req.remasking)), np.bool_(req.eos_stop),
-            np.uint32(req.seed % 2**32), np.int32(n_blocks), np.bool_(False))
+            np.uint32(req.seed % 2**32), np.int32(n_blocks),
+            np.bool_(resolve_rule(self.cfg, "confidence", "auto") == "sampling"))  # the family's rule (LLaDA2)
 
     def _row(self, prompt: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A new row's canvas / valid / block ids [S]: the prompt right before the first block of masks."""
@@ -252,7 +258,7 @@ class Engine:
                 job = None
             self._lock.notify_all()
         if job is not None:
-            job.on_event(Event((), "cancelled", 0))
+            _deliver(job, Event((), "cancelled", 0))
 
     def stats(self) -> EngineStats:
         """The counters now."""
@@ -291,6 +297,13 @@ class Engine:
                     self._lock.wait()
                 if self._stopping and not self._queue and not any(self._slots):
                     return
+                # rows just freed: their clients' next requests are usually a few ms away, and a row left
+                # empty now stays empty for a whole block; wait a little for as many requests as rows freed
+                end = time.perf_counter() + min(self.admit_window_s, 0.05 * self._block_s)
+                while (len(self._queue) < self._freed and any(self._slots) and not self._stopping
+                       and time.perf_counter() < end):
+                    self._lock.wait(end - time.perf_counter())
+                self._freed = 0
                 admitted = []
                 while self._queue and self._n_running() < self.capacity:
                     slot = self._n_running()
@@ -321,8 +334,10 @@ class Engine:
         b = next(size for size in self.batch_sizes if size >= n)
         keep = np.zeros((b,), bool)
         keep[:n] = [j is not None and not j.cancelled for j in running]
+        t0 = time.perf_counter()
         self._state, out = self._advance[b](self.weights, self._state, keep)
         tokens, finished, stopped, passes = jax.device_get(tuple(out))
+        self._block_s = time.perf_counter() - t0
         passes = int(passes)
         events: list[tuple[_Job, Event]] = []
         with self._lock:
@@ -345,9 +360,9 @@ class Engine:
                     new = new[:new.index(self.cfg.eos_token_id)]
                     reason = "stop"
                 room = job.req.max_tokens - job.produced
-                if len(new) >= room:
-                    new, reason = new[:room], reason or "length"
-                elif finished[slot]:
+                if len(new) > room:  # cut at max_tokens before the end token: the length ran out first
+                    new, reason = new[:room], "length"
+                elif len(new) == room or finished[slot]:
                     reason = reason or "length"
                 job.produced += len(new)
                 c.tokens += len(new)
@@ -356,11 +371,12 @@ class Engine:
                     self._free(slot)
             self._compact()
         for job, ev in events:
-            job.on_event(ev)
+            _deliver(job, ev)
 
     def _free(self, slot: int) -> None:
         job = self._slots[slot]
         self._slots[slot] = None
+        self._freed += 1
         if job is not None:
             self._by_id.pop(job.rid, None)
             self._count.finished += 1
@@ -382,10 +398,21 @@ class Engine:
                 if j is not None:
                     self._free(slot)
         self.last_error = error
-        # the failed call may have consumed the donated state: start again from an empty one
-        self._state = self._empty_state()
+        logging.getLogger(__name__).error("the block program failed: %r", error)
+        try:  # the failed call may have consumed the donated state: start again from an empty one
+            self._state = self._empty_state()
+        except Exception:
+            logging.getLogger(__name__).exception("cannot rebuild the engine state")
         for job in jobs:
-            job.on_event(Event((), "error", job.passes))
+            _deliver(job, Event((), "error", job.passes))
+
+
+def _deliver(job: _Job, event: Event) -> None:
+    """Call the request's callback; an exception in it is the client's problem, never the scheduler's."""
+    try:
+        job.on_event(event)
+    except Exception:
+        logging.getLogger(__name__).exception("the event callback of request %d raised", job.rid)
 
 
 def _need(ok: bool, msg: str) -> None:
