@@ -650,8 +650,26 @@ def test_serve_busy_port(capsys):
 def test_engine_kwargs():
     args = cli.build_parser().parse_args(["serve", "--batch-sizes", "4", "1", "4", "--max-tokens", "256"])
     kw = serve_cmd.engine_kwargs(args, None)
-    assert kw == {"batch_sizes": (1, 4), "cache": "auto", "block_length": 32, "queue_size": 256, "dispatch": None,
-                  "mesh": None, "max_tokens": 256}
+    assert kw == {"batch_sizes": (1, 4), "cache": "auto", "queue_size": 256, "dispatch": None, "mesh": None,
+                  "max_tokens": 256}
+
+
+def test_model_defaults_fill_what_a_request_leaves_out():
+    """generation_config.json's settings (the shipped model's: temperature 0.9, random remasking, 128
+    tokens) apply to fields a request omits; a field the request gives wins."""
+    from clover_jax.serving.api import parse_job
+
+    defaults = serve_cmd.request_defaults({"temperature": 0.9, "remasking": "random", "gen_length": 128,
+                                           "block_length": 32, "steps": None, "seed": 3})
+    assert defaults == {"temperature": 0.9, "remasking": "random", "max_tokens": 128}
+    eng = FakeEngine()
+    eng.max_tokens = 64
+    req = parse_job({"prompt": "ab"}, eng, (5, 6), False, defaults).requests[0]
+    assert (req.temperature, req.remasking, req.max_tokens) == (0.9, "random", 64)  # capped at the server's limit
+    req = parse_job({"prompt": "ab", "temperature": 0, "max_tokens": 8, "diffusion": {"remasking": "margin"}},
+                    eng, (5, 6), False, defaults).requests[0]
+    assert (req.temperature, req.remasking, req.max_tokens) == (0, "margin", 8)
+    assert parse_job({"prompt": "ab"}, eng, (5, 6), False).requests[0].temperature == 0.0
 
 
 def install_fake_engine(delay: float) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import socket
 import sys
 import threading
@@ -38,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N",
                    help="the compiled batch buckets (default 1 2 4 8 16)")
-    p.add_argument("--block-length", type=int, default=32,
-                   help="tokens per block (default 32; at most the model's own blocks for Clover's Gated DeltaNet)")
+    p.add_argument("--block-length", type=int, default=None,
+                   help="tokens per block (default: the checkpoint's generation_config.json, else 32; at most the "
+                        "model's own blocks for Clover's Gated DeltaNet)")
     p.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default: the engine's)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="most tokens a request may ask for (default: the engine's)")
@@ -111,11 +113,20 @@ def _compiled(line: str) -> None:
     _say(line if line.startswith("compiled") else f"compiled {line}")
 
 
+def request_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """The request defaults (`api.DEFAULTABLE` keys) of a checkpoint's sampler defaults
+    (`generate.model_sampler_defaults`): what a request that leaves a field out gets."""
+    names = {"gen_length": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "threshold": "threshold", "remasking": "remasking"}
+    return {names[k]: v for k, v in stored.items() if k in names and v is not None}
+
+
 def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
-                              "block_length": args.block_length,
                               "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh}
+    if args.block_length is not None:
+        kwargs["block_length"] = args.block_length
     if args.max_prompt is not None:
         kwargs["max_prompt"] = args.max_prompt
     if args.max_tokens is not None:
@@ -129,13 +140,21 @@ def run(args: argparse.Namespace) -> int:
     check_installed()
     sock = bind(args.host, args.port)  # a busy port fails now, not after minutes of compiling
     try:
-        cfg, weights, tok, mesh = gen_cmd.load(args.model or gen_cmd.default_model(), args.mesh)
+        model = args.model or gen_cmd.default_model()
+        cfg, weights, tok, mesh = gen_cmd.load(model, args.mesh)
         from clover_jax.serving.engine import Engine
 
+        stored = gen_cmd.model_sampler_defaults(model) if os.path.isdir(model) else {}
+        if args.block_length is None:
+            args.block_length = stored.get("block_length", 32)
+        defaults = request_defaults(stored)
+        if defaults:
+            _say("request defaults from the checkpoint's generation_config.json: "
+                 + ", ".join(f"{k} {v}" for k, v in defaults.items()))
         engine = Engine(weights, cfg, **engine_kwargs(args, mesh))
         engine.warm_up(_compiled)
         engine.start()
-        return _serve(engine, tok, cfg.name, sock, args.log_level)
+        return _serve(engine, tok, cfg.name, sock, args.log_level, defaults)
     finally:
         sock.close()
 
@@ -185,7 +204,8 @@ class Drainer:
             self.thread.join()
 
 
-def _serve(engine: Any, tok: Any, model_name: str, sock: socket.socket, log_level: str) -> int:
+def _serve(engine: Any, tok: Any, model_name: str, sock: socket.socket, log_level: str,
+           defaults: dict[str, Any] | None = None) -> int:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
@@ -193,7 +213,7 @@ def _serve(engine: Any, tok: Any, model_name: str, sock: socket.socket, log_leve
 
     # sse-starlette would cut every open stream as soon as uvicorn begins to exit; the drain lets them end.
     AppStatus.disable_automatic_graceful_drain()
-    app = make_app(engine, tok, model_name, log=lambda m: _say(f"error: {m}"))
+    app = make_app(engine, tok, model_name, log=lambda m: _say(f"error: {m}"), defaults=defaults)
     drainer = Drainer(app, engine)
     address = url(sock)
 

@@ -84,6 +84,7 @@ class ServerState:
     tokenizer: Tokenizer
     model_name: str
     log: Callable[[str], None]
+    defaults: dict[str, Any] = field(default_factory=dict)  # the model's request defaults (`parse_job`)
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -109,10 +110,13 @@ class ApiError(Exception):
 
 
 def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
-             log: Callable[[str], None] | None = None) -> FastAPI:
+             log: Callable[[str], None] | None = None, defaults: dict[str, Any] | None = None) -> FastAPI:
     """The ASGI app serving `engine` (already started) as model `model_name`. `log` gets one message per
-    internal error (with its traceback); default: the `clover_jax.serving` logger."""
-    state = ServerState(engine, tokenizer, model_name, log or logging.getLogger("clover_jax.serving").error)
+    internal error (with its traceback); default: the `clover_jax.serving` logger. `defaults`: settings
+    for fields a request leaves out (keys of `DEFAULTABLE`, e.g. from the checkpoint's
+    generation_config.json)."""
+    state = ServerState(engine, tokenizer, model_name, log or logging.getLogger("clover_jax.serving").error,
+                        dict(defaults or {}))
     app = FastAPI(title="clover-jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.clover = state
     app.add_middleware(_CountRequests, metrics=state.metrics)
@@ -355,20 +359,28 @@ class Job:
     include_usage: bool
 
 
-def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: bool) -> Job:
-    """The Job of a completions (or, with `chat`, chat completions) body. Raises ApiError 400 for a field of
-    the wrong type and BadRequest for settings the engine would refuse (prompt too long, max_tokens too
-    large, ...)."""
-    default_max = min(DEFAULT_MAX_TOKENS, engine.max_tokens)
+# Request settings a checkpoint's generation_config.json may give defaults for (`make_app(defaults=...)`).
+DEFAULTABLE = ("max_tokens", "temperature", "top_p", "top_k", "threshold", "remasking")
+
+
+def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: bool,
+              defaults: dict[str, Any] | None = None) -> Job:
+    """The Job of a completions (or, with `chat`, chat completions) body. Fields the body leaves out take
+    `defaults` (the model's, `DEFAULTABLE`), else greedy decoding and at most 128 tokens. Raises ApiError
+    400 for a field of the wrong type and BadRequest for settings the engine would refuse (prompt too
+    long, max_tokens too large, ...)."""
+    d = defaults or {}
+    default_max = min(d.get("max_tokens", DEFAULT_MAX_TOKENS), engine.max_tokens)
     max_tokens = _field(body, "max_tokens", "an integer", default_max)
     if chat:
         max_tokens = _field(body, "max_completion_tokens", "an integer", max_tokens)
-    temperature = _field(body, "temperature", "a number", 0.0)
+    temperature = _field(body, "temperature", "a number", d.get("temperature", 0.0))
     n = _field(body, "n", "an integer", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    knobs = {k: d[k] for k in ("top_k", "threshold", "remasking") if k in d} | _diffusion(body, engine)
     base = Request(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                   top_p=_field(body, "top_p", "a number", 1.0), **_diffusion(body, engine))
+                   top_p=_field(body, "top_p", "a number", d.get("top_p", 1.0)), **knobs)
     stream = _field(body, "stream", "a boolean", False)
     options = _field(body, "stream_options", "an object", {})
     include_usage = bool(_field(options, "include_usage", "a boolean", False, where="stream_options."))
@@ -608,7 +620,8 @@ async def _start(request: HTTPRequest, st: ServerState, chat: bool, started: flo
     body = await _json_body(request)
     _check_model(body, st.model_name)
     prompt = chat_prompt(body, st.tokenizer) if chat else completion_prompt(body, st.tokenizer)
-    run = Run(st.engine, st.tokenizer, parse_job(body, st.engine, prompt, chat), asyncio.get_running_loop(), started)
+    job = parse_job(body, st.engine, prompt, chat, st.defaults)
+    run = Run(st.engine, st.tokenizer, job, asyncio.get_running_loop(), started)
     run.submit()
     return run
 
