@@ -17,5 +17,6 @@ python -m pip install -q -e ".[torch,tpu,notebooks,serve,dev]"
 export JAX_PLATFORMS=cpu  # libtpu is installed for `clover plan`; tests run on (fake) CPU devices
 ruff check .
 # One pytest worker per core (pytest-xdist): most tests are single-threaded XLA compiles, so two
-# workers on the 2-core CI machine take ~7.5 min instead of ~10.5. Extra arguments go to pytest.
-python -m pytest -q -ra -n auto --durations=10 "$@"
+# workers on the 2-core CI machine take ~7.5 min instead of ~10.5. `--dist loadgroup` keeps the tests of
+# one `xdist_group` (a module whose fixture compiles for a minute) on one worker. Extra arguments go to pytest.
+python -m pytest -q -ra -n auto --dist loadgroup --durations=10 "$@"

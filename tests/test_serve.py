@@ -25,6 +25,8 @@ from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, 
 from clover_jax.tokenizer import load_tokenizer
 
 L = 32
+# one worker runs this module, so its engine (a minute of compiling) is built once (`--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("serve")
 
 
 class Collector:
@@ -56,13 +58,18 @@ class Collector:
         return self.events[key][-1].finish_reason
 
 
-def alone(weights, cfg, prompt: list[int], req: Request) -> list[int]:
-    """The same request through `generate` on its own (block-aligned length, then cut at max_tokens)."""
+def alone_run(weights, cfg, prompt: list[int], req: Request):
+    """The same request through `generate` on its own (block-aligned length)."""
     n_blocks = -(-req.max_tokens // L)
     steps = (req.steps or L) * n_blocks
     sc = SamplerConfig(gen_length=n_blocks * L, block_length=L, steps=steps, threshold=req.threshold,
                        temperature=req.temperature, seed=req.seed, cache="prefix")
-    return generate(weights, cfg, [prompt], sc).tokens[0][:req.max_tokens]
+    return generate(weights, cfg, [prompt], sc)
+
+
+def alone(weights, cfg, prompt: list[int], req: Request) -> list[int]:
+    """The tokens `generate` gives the request on its own, cut at max_tokens."""
+    return alone_run(weights, cfg, prompt, req).tokens[0][:req.max_tokens]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +117,10 @@ def test_mixed_requests_equal_each_run_alone(shipped_engine):
     assert after.mean_rows_per_block > 1, "rows never shared a block call"
     for i, r in enumerate(reqs):
         got = col.tokens(i)
-        assert got == alone(eng.weights, eng.cfg, list(r.prompt), r), f"request {i} ({texts[i]!r}) differs"
+        ref = alone_run(eng.weights, eng.cfg, list(r.prompt), r)
+        assert got == ref.tokens[0][:r.max_tokens], f"request {i} ({texts[i]!r}) differs"
+        if len(ref.tokens[0]) >= r.max_tokens:  # it ran every block it asked for: the same passes, bar the prefill
+            assert col.events[i][-1].passes == ref.stats.nfe - 1, f"request {i}"
         assert len(got) <= r.max_tokens
         assert col.reason(i) == ("length" if len(got) == r.max_tokens else "stop")
     assert after.tokens_generated - before.tokens_generated == sum(len(col.tokens(i)) for i in range(len(reqs)))

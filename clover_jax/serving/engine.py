@@ -185,7 +185,7 @@ class Engine:
         for b in self.batch_sizes:
             t0 = time.perf_counter()
             fn = functools.partial(program.advance, cfg, fwd, bl, mode, b)
-            self._advance[b] = compile_(fn, 1, (where, program.BlockOut(*[anywhere] * 4)), self.weights, state,
+            self._advance[b] = compile_(fn, 1, (where, program.BlockOut(*[anywhere] * 5)), self.weights, state,
                                         jnp.ones((b,), bool))
             say(f"block program for {b} row{'s' if b > 1 else ''} x {s} columns ({mode} cache): "
                 f"{time.perf_counter() - t0:.1f} s")
@@ -280,7 +280,10 @@ class Engine:
             self._thread.start()
 
     def drain(self, timeout: float | None = None) -> None:
-        """Admit nothing new, let queued and running requests finish, then stop the scheduler thread."""
+        """Admit nothing new, let queued and running requests finish (starting the scheduler if it never
+        was), then stop the scheduler thread."""
+        if self._thread is None and self._queue:
+            self.start()
         with self._lock:
             self._draining = True
             self._stopping = True
@@ -336,7 +339,7 @@ class Engine:
         keep[:n] = [j is not None and not j.cancelled for j in running]
         t0 = time.perf_counter()
         self._state, out = self._advance[b](self.weights, self._state, keep)
-        tokens, finished, stopped, passes = jax.device_get(tuple(out))
+        tokens, finished, stopped, passes, row_passes = jax.device_get(tuple(out))
         self._block_s = time.perf_counter() - t0
         passes = int(passes)
         events: list[tuple[_Job, Event]] = []
@@ -352,8 +355,8 @@ class Engine:
                     events.append((job, Event((), "cancelled", job.passes)))
                     self._free(slot)
                     continue
-                job.passes += passes
-                c.row_passes += passes
+                job.passes += int(row_passes[slot])
+                c.row_passes += int(row_passes[slot])
                 new = [int(t) for t in tokens[slot]]
                 reason = None
                 if stopped[slot]:

@@ -86,6 +86,7 @@ class BlockOut(NamedTuple):
     finished: Array  # [b] bool: the row ended with this block (end token or its last block)
     stopped: Array  # [b] bool: ... because of an end token
     passes: Array  # int32 forward passes this call ran
+    row_passes: Array  # [b] int32 of them, the passes each row took part in (it still had masks to fill)
 
 
 def prefill_widths(columns: int, block_length: int) -> tuple[int, ...]:
@@ -226,6 +227,7 @@ class _Loop(NamedTuple):
     cache: Any
     step: Array
     passes: Array
+    row_passes: Array  # [b]
     n_sched: Array  # [b]
 
 
@@ -309,11 +311,11 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
             stop = knobs.eos_stop & (first_eos < bl) & ~open_before
             blk = jnp.where(stop[:, None] & (col > first_eos[:, None]), eos_id, blk)
         cv = st.canvas.at[:, s - bl:].set(blk)
-        return _Loop(cv, kv, st.step + 1, st.passes + calls, st.n_sched)
+        return _Loop(cv, kv, st.step + 1, st.passes + calls, st.row_passes + live(st), st.n_sched)
 
     cv0 = _rows(state.canvas, b)
     n_sched = jnp.sum(masked_of(cv0), axis=1)
-    st = _Loop(cv0, kv0, jnp.int32(0), jnp.int32(0), n_sched)
+    st = _Loop(cv0, kv0, jnp.int32(0), jnp.int32(0), jnp.zeros((b,), jnp.int32), n_sched)
     st = jax.lax.while_loop(lambda st: jnp.any(live(st)), step, st)
 
     out_blk = st.canvas[:, s - bl:]
@@ -342,7 +344,7 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         state.canvas.at[:b].set(canvas), state.valid.at[:b].set(valid_n), state.blocks.at[:b].set(ids_n), kv,
         state.active.at[:b].set(go_on), state.fresh.at[:b].set(fresh & ~active),
         state.block.at[:b].set(jnp.where(go_on, blk_idx + 1, blk_idx)), state.knobs)
-    return new, BlockOut(out_blk, finished, stopped, st.passes)
+    return new, BlockOut(out_blk, finished, stopped, st.passes, st.row_passes)
 
 
 class _Scores(NamedTuple):  # the fields `select_commits` reads (scoring.Scores' layout)

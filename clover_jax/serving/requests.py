@@ -79,7 +79,8 @@ class Event(NamedTuple):
     tokens: the block's new tokens, cut at the end token and at `max_tokens` (may be empty);
     finish_reason: None while the request runs, "stop" (end token), "length" (max_tokens reached)
       or "cancelled"; the last event of a request always has one;
-    passes: forward passes the request's rows have run so far (the batch's passes it took part in).
+    passes: forward passes the request took part in so far (the steps in which its block still had masks;
+      the prompt's prefill not counted).
     """
 
     tokens: tuple[int, ...]
