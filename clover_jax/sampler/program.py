@@ -47,7 +47,7 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import masks, transformer
-from clover_jax.sampler.scoring import guide, sample_and_score, select_commits, transfer_count
+from clover_jax.sampler.scoring import fill_after_end, guide, sample_and_score, select_commits, transfer_count
 
 Array = jax.Array
 CACHE_MODES = ("none", "prefix", "dual")
@@ -236,17 +236,9 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         return logits, cache
 
     spb = jnp.maximum(knobs.steps // n_blocks, 1)
-    gcol = jnp.arange(g)
 
     def eos_fill(cv: Array) -> Array:
-        if eos_id is None:  # a model without an end token never stops early
-            return cv
-        gen = cv[:, p:t]
-        is_eos = gen == eos_id
-        first = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), g)
-        open_before = jnp.any((gen == mask_id) & (gcol[None] < first[:, None]), axis=1)
-        stop = knobs.eos_stop & (first < g) & ~open_before
-        gen = jnp.where(stop[:, None] & (gcol[None] > first[:, None]), eos_id, gen)
+        gen = fill_after_end(cv[:, p:t], eos_id, mask_id, knobs.eos_stop)
         return jax.lax.dynamic_update_slice_in_dim(cv, gen, p, axis=1)
 
     def commit(st: _State, logits: Array) -> _State:

@@ -244,6 +244,21 @@ def score_tokens(logits: Array, tokens: Array, strategy: Array, key: Array,
     return Scores(rank, conf, entropy)
 
 
+def fill_after_end(tokens: Array, eos_id: int | None, mask_id: int, eos_stop: Array) -> Array:
+    """tokens [B, W] with every column after a row's first end token set to the end token, for rows
+    where `eos_stop` ([B] or scalar) holds and nothing before that end token is still masked (the row
+    has stopped). A model without an end token (None) never stops early."""
+    if eos_id is None:
+        return tokens
+    w = tokens.shape[1]
+    col = jnp.arange(w)[None]
+    is_eos = tokens == eos_id
+    first = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), w)
+    open_before = jnp.any((tokens == mask_id) & (col < first[:, None]), axis=1)
+    stop = eos_stop & (first < w) & ~open_before
+    return jnp.where(stop[:, None] & (col > first[:, None]), eos_id, tokens)
+
+
 def transfer_count(n_masked: Array, steps: Array, step: Array) -> Array:
     """LLaDA's linear schedule: n // steps per step, the first n % steps steps one more."""
     steps = jnp.maximum(steps, 1)

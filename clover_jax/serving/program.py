@@ -45,7 +45,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import masks
 from clover_jax.sampler.program import ForwardFn
-from clover_jax.sampler.scoring import sample_and_score, select_commits, transfer_count
+from clover_jax.sampler.scoring import Scores, fill_after_end, sample_and_score, select_commits, transfer_count
 
 Array = jax.Array
 SERVE_CACHE_MODES = ("none", "prefix")
@@ -117,11 +117,6 @@ def state_shardings(state: SlotState, mesh: MeshRules) -> SlotState:
                               moe_v=kv(cache.moe_v), linear=jax.tree.map(cache_rows, cache.linear))
     return SlotState(rows(state.canvas), rows(state.valid), rows(state.blocks), cache, rows(state.active),
                      rows(state.fresh), rows(state.block), RowKnobs(*(rows(x) for x in state.knobs)))
-
-
-def _rows(x: Any, b: int) -> Any:
-    """The first b rows of a [B, ...] array, or of a cache leaf [layers, B, ...]."""
-    return x[:b]
 
 
 def _cache_rows(cache: Any, fn: Any) -> Any:
@@ -239,11 +234,11 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
     b, bl, mask_id, eos_id = rows, block_length, cfg.mask_token_id, cfg.eos_token_id
     s = state.canvas.shape[1]
     hybrid = cfg.is_hybrid
-    active = _rows(state.active, b) & keep
-    fresh = _rows(state.fresh, b)
-    blk_idx = _rows(state.block, b)
-    knobs = RowKnobs(*(_rows(x, b) for x in state.knobs))
-    valid, ids = _rows(state.valid, b), _rows(state.blocks, b)
+    active = state.active[:b] & keep
+    fresh = state.fresh[:b]
+    blk_idx = state.block[:b]
+    knobs = RowKnobs(*(x[:b] for x in state.knobs))
+    valid, ids = state.valid[:b], state.blocks[:b]
     pos = masks.positions(valid)
     kv0 = _cache_rows(state.cache, lambda x: x[:, :b])
     base_keys = jax.vmap(lambda sd, j: jax.random.fold_in(jax.random.key(sd), j))(knobs.seed, blk_idx)
@@ -300,20 +295,15 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         blk = st.canvas[:, s - bl:]
         masked = blk == mask_id
         n = transfer_count(st.n_sched, knobs.steps, st.step)
-        scores = _Scores(rank, conf, jnp.zeros_like(conf))
+        scores = Scores(rank, conf, jnp.zeros_like(conf))
         chosen = select_commits(scores, masked, n, knobs.threshold[:, None], 0.0) & live(st)[:, None]
         blk = jnp.where(chosen, drawn, blk)
-        if eos_id is not None:  # a committed end token with nothing masked before it ends the row
-            is_eos = blk == eos_id
-            first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), bl)
-            col = jnp.arange(bl)[None]
-            open_before = jnp.any((blk == mask_id) & (col < first_eos[:, None]), axis=1)
-            stop = knobs.eos_stop & (first_eos < bl) & ~open_before
-            blk = jnp.where(stop[:, None] & (col > first_eos[:, None]), eos_id, blk)
+        # earlier blocks hold no end token (a row stops at its first), so the block alone decides
+        blk = fill_after_end(blk, eos_id, mask_id, knobs.eos_stop)
         cv = st.canvas.at[:, s - bl:].set(blk)
         return _Loop(cv, kv, st.step + 1, st.passes + calls, st.row_passes + live(st), st.n_sched)
 
-    cv0 = _rows(state.canvas, b)
+    cv0 = state.canvas[:b]
     n_sched = jnp.sum(masked_of(cv0), axis=1)
     st = _Loop(cv0, kv0, jnp.int32(0), jnp.int32(0), jnp.zeros((b,), jnp.int32), n_sched)
     st = jax.lax.while_loop(lambda st: jnp.any(live(st)), step, st)
@@ -345,9 +335,3 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         state.active.at[:b].set(go_on), state.fresh.at[:b].set(fresh & ~active),
         state.block.at[:b].set(jnp.where(go_on, blk_idx + 1, blk_idx)), state.knobs)
     return new, BlockOut(out_blk, finished, stopped, st.passes, st.row_passes)
-
-
-class _Scores(NamedTuple):  # the fields `select_commits` reads (scoring.Scores' layout)
-    rank_score: Array
-    confidence: Array
-    entropy: Array
