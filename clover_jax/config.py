@@ -21,6 +21,7 @@ RouterKind = Literal["softmax", "sigmoid"]
 
 FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only schemes of `model.quant`
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"  # the two kinds of `layer_types`
 BD_GDN_MODES = ("none", "reconstructed")  # how Gated DeltaNet layers use Clover's block-diffusion tensors
 MAX_LAYER_GROUP = 8  # the layers of one group are unrolled inside the scan over groups
@@ -87,6 +88,9 @@ class ModelConfig:
     # Numerics: weights and activations in `dtype`; router, norms and softmax always in float32.
     dtype: str = "bfloat16"
     init_std: float = 0.02
+    # Weight-only quantization of the matmul weights (`model.quant`): "none", "int8" or "fp8" (e4m3), per
+    # output channel. Recorded in config.json of a quantized checkpoint; activations stay in `dtype`.
+    quantization: str = "none"
     # Default MoE dispatch on one device; sharded runs pick an expert-parallel one.
     moe_dispatch: str = "tiled"
 
@@ -249,6 +253,7 @@ def validate(cfg: ModelConfig) -> None:
          f"eos_token_id and mask_token_id are both {cfg.mask_token_id}: the end token must not be the mask")
     need(cfg.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     need(cfg.init_std > 0, "init_std must be positive")
+    need(cfg.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {cfg.quantization!r}")
     need(not cfg.shared_expert_gate or cfg.n_shared_experts > 0, "shared_expert_gate needs a shared expert")
     if cfg.layer_types is not None:
         kinds = (LINEAR_ATTENTION, FULL_ATTENTION)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
+from clover_jax.model import quant
 from clover_jax.model.layers import rms_norm_gated
 from clover_jax.model.params import GatedDeltaNetWeights
 
@@ -377,16 +378,16 @@ def _heads(mixed: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, va
     k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
     v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
     f32 = jnp.float32
-    beta = jax.nn.sigmoid((x @ w.b).astype(f32))
-    g = -jnp.exp(w.a_log.astype(f32)) * jax.nn.softplus((x @ w.a).astype(f32) + w.dt_bias.astype(f32))
+    beta = jax.nn.sigmoid(quant.matmul(x, w.b).astype(f32))
+    g = -jnp.exp(w.a_log.astype(f32)) * jax.nn.softplus(quant.matmul(x, w.a).astype(f32) + w.dt_bias.astype(f32))
     g, beta = mask_padding(g, beta, valid)
     return Stream(l2_normalize(q), l2_normalize(k), v, g, beta)
 
 
 def _output(o: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig) -> Array:
-    z = jnp.einsum("btd,dhk->bthk", x, w.z)
+    z = quant.einsum("btd,dhk->bthk", x, w.z)
     o = rms_norm_gated(o.astype(x.dtype), z, w.norm, cfg.norm_eps)
-    return jnp.einsum("bthk,hkd->btd", o, w.out)
+    return quant.einsum("bthk,hkd->btd", o, w.out)
 
 
 def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None = None,
@@ -421,7 +422,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     x = jnp.where(valid[:, :, None], x, 0)
     if two_stream:
         return _two_stream(x, w, cfg, valid, blocks)
-    proj = x @ w.qkv
+    proj = quant.matmul(x, w.qkv)
     keep = None if commit is None else valid & (jnp.arange(x.shape[1])[None] < commit)
     mixed, tail = causal_conv(proj, w.conv, None if state is None else state.conv_tail, valid, keep)
     if bd:
@@ -451,7 +452,7 @@ def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Arra
     seq = x.shape[1] // 2
     xn, xc = x[:, :seq], x[:, seq:]
     valid, blocks = valid[:, seq:], blocks[:, seq:]
-    pn, pc = xn @ w.qkv, xc @ w.qkv
+    pn, pc = quant.matmul(xn, w.qkv), quant.matmul(xc, w.qkv)
     mixed_c, tail = causal_conv(pc, w.conv, None, valid)
     mixed_n = two_stream_conv(pn, pc, w.conv, blocks)
     if bd:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
+from clover_jax.model import quant
 from clover_jax.model.params import AttentionWeights, MLPWeights
 
 Array = jax.Array
@@ -60,14 +61,14 @@ def rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
 
 def swiglu(x: Array, w: MLPWeights) -> Array:
     """SwiGLU MLP: x [..., D] -> [..., D], `down(silu(x @ gate) * (x @ up))`."""
-    return (jax.nn.silu(x @ w.gate) * (x @ w.up)) @ w.down
+    return quant.matmul(jax.nn.silu(quant.matmul(x, w.gate)) * quant.matmul(x, w.up), w.down)
 
 
 def project_qkv(x: Array, w: AttentionWeights, positions: Array, cfg: ModelConfig) -> tuple[Array, Array, Array]:
     """q [B,T,H,hd], k/v [B,T,K,hd]: QK-norm over head_dim after the projection, then RoPE."""
-    q = jnp.einsum("btd,dhk->bthk", x, w.q)
-    k = jnp.einsum("btd,dhk->bthk", x, w.k)
-    v = jnp.einsum("btd,dhk->bthk", x, w.v)
+    q = quant.einsum("btd,dhk->bthk", x, w.q)
+    k = quant.einsum("btd,dhk->bthk", x, w.k)
+    v = quant.einsum("btd,dhk->bthk", x, w.v)
     if cfg.qk_norm:
         q = norm(q, w.q_norm, cfg)
         k = norm(k, w.k_norm, cfg)
@@ -97,5 +98,5 @@ def output_projection(x: Array, attn: Array, w: AttentionWeights, cfg: ModelConf
     """Attention output attn [B,T,H,hd] -> [B,T,D] through `w.o`, first gated per head by
     sigmoid(x @ w.gate) when `cfg.attn_output_gate` (x [B,T,D]: the normed layer input)."""
     if cfg.attn_output_gate:
-        attn = attn * jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, w.gate))
-    return jnp.einsum("bthk,hkd->btd", attn, w.o)
+        attn = attn * jax.nn.sigmoid(quant.einsum("btd,dhk->bthk", x, w.gate))
+    return quant.einsum("bthk,hkd->btd", attn, w.o)

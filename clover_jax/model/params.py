@@ -23,8 +23,9 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from clover_jax.config import ModelConfig
-from clover_jax.errors import ShardingError
+from clover_jax.errors import ConfigError, ShardingError
 from clover_jax.mesh.rules import DEFAULT_RULES, ShardingRules, as_tuple, logical_to_spec
+from clover_jax.model import quant
 
 Array = jax.Array
 
@@ -39,6 +40,7 @@ class ParamSpec:
     init: str = "normal"  # normal | ones | zeros | constant
     std: float = 0.02
     value: float = 0.0  # the fill of init="constant"
+    contract: tuple[int, ...] = ()  # a matmul weight: the axes its matmuls contract (what quantization keys on)
 
     def __post_init__(self) -> None:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -53,7 +55,19 @@ class ParamSpec:
 
     def stacked(self, n: int) -> ParamSpec:
         """The same weight with a leading `layers` axis of size `n`."""
-        return ParamSpec((n, *self.shape), self.dtype, ("layers", *self.axes), self.init, self.std, self.value)
+        return ParamSpec((n, *self.shape), self.dtype, ("layers", *self.axes), self.init, self.std, self.value,
+                         tuple(a + 1 for a in self.contract))
+
+    def quantized(self, scheme: str) -> quant.QArray:
+        """This matmul weight as a quantized one (`quant`): a QArray of a qvalue spec (same shape and axes, the
+        scheme's storage type) and a float32 scale spec (size 1 and no logical axis on the contracted axes)."""
+        assert self.contract, "only matmul weights (ParamSpec.contract) are quantized"
+        qstd = quant.QSTD[scheme]
+        qvalue = ParamSpec(self.shape, quant.QTYPES[scheme], self.axes, "normal", qstd)
+        scale = ParamSpec(quant.scale_shape(self.shape, self.contract), jnp.float32,
+                          tuple(None if i in self.contract else a for i, a in enumerate(self.axes)),
+                          "constant", value=self.std / qstd)
+        return quant.QArray(qvalue=qvalue, scale=scale, qtype=quant.QTYPES[scheme])
 
     def struct(self, sharding: Any = None) -> jax.ShapeDtypeStruct:
         """A `jax.ShapeDtypeStruct` of this shape and dtype, with `sharding` if given."""
@@ -144,9 +158,9 @@ class Weights:
 
 def _mlp(d: int, f: int, dtype: Any, std: float, mlp_axis: str = "mlp") -> MLPWeights:
     return MLPWeights(
-        gate=ParamSpec((d, f), dtype, ("embed", mlp_axis), std=std),
-        up=ParamSpec((d, f), dtype, ("embed", mlp_axis), std=std),
-        down=ParamSpec((f, d), dtype, (mlp_axis, "embed"), std=std),
+        gate=ParamSpec((d, f), dtype, ("embed", mlp_axis), std=std, contract=(0,)),
+        up=ParamSpec((d, f), dtype, ("embed", mlp_axis), std=std, contract=(0,)),
+        down=ParamSpec((f, d), dtype, (mlp_axis, "embed"), std=std, contract=(0,)),
     )
 
 
@@ -159,11 +173,12 @@ def _attention(cfg: ModelConfig) -> AttentionWeights:
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
     return AttentionWeights(
-        q=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std),
-        k=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),
-        v=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std),
-        o=ParamSpec((h, hd, d), dt, ("q_heads", "head_dim", "embed"), std=std),
-        gate=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std) if cfg.attn_output_gate else None,
+        q=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std, contract=(0,)),
+        k=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std, contract=(0,)),
+        v=ParamSpec((d, kv, hd), dt, ("embed", "kv_heads", "head_dim"), std=std, contract=(0,)),
+        o=ParamSpec((h, hd, d), dt, ("q_heads", "head_dim", "embed"), std=std, contract=(0, 1)),
+        gate=ParamSpec((d, h, hd), dt, ("embed", "q_heads", "head_dim"), std=std, contract=(0,))
+        if cfg.attn_output_gate else None,
         q_norm=_norm(hd, cfg, "head_dim") if cfg.qk_norm else None,
         k_norm=_norm(hd, cfg, "head_dim") if cfg.qk_norm else None,
     )
@@ -174,15 +189,15 @@ def _gated_deltanet(cfg: ModelConfig) -> GatedDeltaNetWeights:
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
     f32 = jnp.float32
     return GatedDeltaNetWeights(
-        qkv=ParamSpec((d, c), dt, ("embed", "linear_conv"), std=std),
+        qkv=ParamSpec((d, c), dt, ("embed", "linear_conv"), std=std, contract=(0,)),
         conv=ParamSpec((cfg.linear_conv_kernel_dim, c), dt, (None, "linear_conv"), std=0.5),
-        z=ParamSpec((d, hv, dv), dt, ("embed", "linear_heads", "head_dim"), std=std),
-        b=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std),
-        a=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std),
+        z=ParamSpec((d, hv, dv), dt, ("embed", "linear_heads", "head_dim"), std=std, contract=(0,)),
+        b=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std, contract=(0,)),
+        a=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std, contract=(0,)),
         a_log=ParamSpec((hv,), f32, ("linear_heads",), init="zeros"),  # A = 1: a moderate decay
         dt_bias=ParamSpec((hv,), f32, ("linear_heads",), init="ones"),
         norm=ParamSpec((dv,), f32, ("head_dim",), init="ones"),
-        out=ParamSpec((hv, dv, d), dt, ("linear_heads", "head_dim", "embed"), std=std),
+        out=ParamSpec((hv, dv, d), dt, ("linear_heads", "head_dim", "embed"), std=std, contract=(0, 1)),
         **(_block_diffusion(cfg) if cfg.has_bd_weights else {}),
     )
 
@@ -211,9 +226,9 @@ def _layer(cfg: ModelConfig, moe: bool, linear: bool = False) -> LayerWeights:
             router=ParamSpec((d, e), jnp.float32, ("embed", "experts_replicated"), std=std),
             expert_bias=ParamSpec((e,), jnp.float32, ("experts_replicated",), init="zeros")
             if cfg.use_expert_bias else None,
-            gate=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std),
-            up=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std),
-            down=ParamSpec((e, f, d), dt, ("experts", "expert_mlp", "embed"), std=std),
+            gate=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std, contract=(1,)),
+            up=ParamSpec((e, d, f), dt, ("experts", "embed", "expert_mlp"), std=std, contract=(1,)),
+            down=ParamSpec((e, f, d), dt, ("experts", "expert_mlp", "embed"), std=std, contract=(1,)),
             shared=_mlp(d, cfg.shared_mlp_dim, dt, std) if cfg.n_shared_experts else None,
             shared_gate=ParamSpec((d, 1), dt, ("embed", None), std=std) if cfg.shared_expert_gate else None,
         )
@@ -230,18 +245,22 @@ def abstract(cfg: ModelConfig) -> Weights:
     """The weight tree with ParamSpec leaves: shapes, dtypes, logical axes; no memory.
 
     Hybrid configs: `moe_layers` holds the full-attention layers, `linear_layers` the Gated DeltaNet ones.
+    Quantized configs (`cfg.quantization`): every matmul weight is a `quant.QArray` of a qvalue and a scale spec.
     """
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
     n_attn_moe = cfg.n_moe_layers - cfg.n_linear_layers
-    return Weights(
+    tree = Weights(
         embed=ParamSpec((cfg.vocab_size, cfg.d_model), dt, ("vocab", "embed"), std=std),
         dense_layers=_stack(_layer(cfg, moe=False), cfg.n_dense_layers) if cfg.n_dense_layers else None,
         moe_layers=_stack(_layer(cfg, moe=True), n_attn_moe) if n_attn_moe else None,
         final_norm=_norm(cfg.d_model, cfg),
         lm_head=None if cfg.tie_embeddings
-        else ParamSpec((cfg.d_model, cfg.vocab_size), dt, ("embed", "vocab"), std=std),
+        else ParamSpec((cfg.d_model, cfg.vocab_size), dt, ("embed", "vocab"), std=std, contract=(0,)),
         linear_layers=_stack(_layer(cfg, moe=True, linear=True), cfg.n_linear_layers) if cfg.is_hybrid else None,
     )
+    if cfg.quantization == quant.NONE:
+        return tree
+    return jax.tree.map(lambda s: s.quantized(cfg.quantization) if s.contract else s, tree, is_leaf=is_spec)
 
 
 def shape_structs(cfg: ModelConfig, shardings: Any = None) -> Any:
@@ -259,7 +278,10 @@ def _init_leaf(spec: ParamSpec, key: Array) -> Array:
         return jnp.zeros(spec.shape, spec.dtype)
     if spec.init == "constant":
         return jnp.full(spec.shape, spec.value, spec.dtype)
-    return (spec.std * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
+    x = spec.std * jax.random.normal(key, spec.shape, jnp.float32)
+    if jnp.issubdtype(spec.dtype, jnp.integer):  # an int8 qvalue: rounded into range
+        x = jnp.clip(jnp.round(x), -127, 127)
+    return x.astype(spec.dtype)
 
 
 def init(cfg: ModelConfig, key: Array, shardings: Any = None) -> Weights:
@@ -310,9 +332,10 @@ class ParamCount:
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:
-    """Parameter counts from the abstract tree; allocates nothing."""
+    """Parameter counts from the abstract tree (of the float model: a scale is not a parameter); allocates
+    nothing."""
     total = routed = embedding = 0
-    for name, spec in named_leaves(abstract(cfg)):
+    for name, spec in named_leaves(abstract(cfg.replace(quantization=quant.NONE))):
         total += spec.size
         if "experts" in spec.axes:
             routed += spec.size
@@ -340,3 +363,26 @@ def weight_shardings(cfg_or_specs: ModelConfig | Any, mesh: Mesh, rules: Shardin
     for name, spec in named_leaves(specs):
         _check_divides(name, spec, logical_to_spec(spec.axes, rules, mesh), mesh)
     return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes, rules, mesh)), specs, is_leaf=is_spec)
+
+
+def quantize_weights(cfg: ModelConfig, weights: Weights, scheme: str) -> tuple[ModelConfig, Weights]:
+    """(the config with `quantization=scheme`, the float `weights` of `cfg` quantized per output channel:
+    every matmul weight a `quant.QArray`, the rest as it was). ConfigError if `cfg` is already quantized."""
+    quant.check_scheme(scheme)
+    if cfg.quantization != quant.NONE:
+        raise ConfigError(f"config {cfg.name!r} is already quantized ({cfg.quantization}); quantize its float "
+                          "weights instead")
+    if scheme == quant.NONE:
+        return cfg, weights
+    specs = abstract(cfg)
+    out = jax.tree.map(lambda s, w: quant.quantize(w, s.contract, scheme) if s.contract else w, specs, weights,
+                       is_leaf=is_spec)
+    return cfg.replace(quantization=scheme), out
+
+
+def dequantize_weights(cfg: ModelConfig, weights: Weights) -> tuple[ModelConfig, Weights]:
+    """(the float config, `weights` with every quantized weight turned back into `cfg.dtype`): the inverse of
+    `quantize_weights` up to its rounding."""
+    dt = jnp.dtype(cfg.dtype)
+    out = jax.tree.map(lambda w: quant.dequantize(w, dt), weights, is_leaf=quant.is_quantized)
+    return cfg.replace(quantization=quant.NONE), out

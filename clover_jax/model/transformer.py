@@ -25,7 +25,7 @@ from flax import struct
 
 from clover_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from clover_jax.mesh.rules import MeshRules, constrain
-from clover_jax.model import gated_deltanet, layers, masks
+from clover_jax.model import gated_deltanet, layers, masks, quant
 from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
 from clover_jax.model.params import LayerWeights, Weights
 
@@ -305,7 +305,7 @@ def forward(
         x = jax.lax.dynamic_slice_in_dim(x, jnp.asarray(logits_start, jnp.int32), logits_len, axis=1)
     x = layers.norm(x, weights.final_norm, cfg)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    logits = quant.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
     return ForwardOut(logits, new_cache, st)
 
 

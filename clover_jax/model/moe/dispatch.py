@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from clover_jax.config import ModelConfig
 from clover_jax.errors import ConfigError
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import quant
 from clover_jax.model.layers import swiglu
 from clover_jax.model.moe import expert_parallel
 from clover_jax.model.moe.grouped_swiglu import grouped_swiglu
@@ -46,8 +47,8 @@ def dispatch_dense(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh: 
     """Every expert on every token, weighted by the routing weights: x [N, D] -> (y [N, D], dropped 0)."""
     combine = jnp.zeros((x.shape[0], cfg.n_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], r.experts].add(r.weights)
-    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, w.gate)) * jnp.einsum("nd,edf->enf", x, w.up)
-    y = jnp.einsum("enf,efd->end", h, w.down)
+    h = jax.nn.silu(quant.einsum("nd,edf->enf", x, w.gate)) * quant.einsum("nd,edf->enf", x, w.up)
+    y = quant.einsum("enf,efd->end", h, w.down)
     out = jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine)
     return out.astype(x.dtype), _no_drops()
 
@@ -57,9 +58,9 @@ def dispatch_ragged(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh:
     """Copies sorted by expert through `jax.lax.ragged_dot` grouped matmuls: x [N, D] -> (y [N, D],
     dropped 0)."""
     s = sort_by_expert(x, r, cfg.n_experts)
-    g = jax.lax.ragged_dot(s.rows, w.gate, s.group_sizes)
-    u = jax.lax.ragged_dot(s.rows, w.up, s.group_sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w.down, s.group_sizes)
+    g = quant.ragged_dot(s.rows, w.gate, s.group_sizes)
+    u = quant.ragged_dot(s.rows, w.up, s.group_sizes)
+    y = quant.ragged_dot(jax.nn.silu(g) * u, w.down, s.group_sizes)
     return combine_sorted(y, s, r, x.dtype), _no_drops()
 
 
@@ -125,7 +126,7 @@ def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = 
     flat = x.reshape(b * t, d)
     r = route(flat, w, cfg)
     if layer is not None and name not in LAYER_STACK:
-        w = w.replace(gate=w.gate[layer], up=w.up[layer], down=w.down[layer])
+        w = w.replace(gate=quant.index(w.gate, layer), up=quant.index(w.up, layer), down=quant.index(w.down, layer))
         layer = None
     y, dropped = fn(flat, r, w, cfg, mesh, layer)
     if w.shared is not None:

@@ -48,6 +48,7 @@ from jax.sharding import Mesh, PartitionSpec
 from clover_jax.config import ModelConfig
 from clover_jax.errors import ShardingError
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import quant
 from clover_jax.model.moe.grouped_swiglu import grouped_swiglu
 from clover_jax.model.moe.routing import Routing
 from clover_jax.model.moe.sorting import combine_sorted, sort_by_expert
@@ -174,9 +175,11 @@ def ep_axes(cfg: ModelConfig, mesh_rules: MeshRules | None) -> EPAxes:
     return ax
 
 
-def _weight_specs(ax: EPAxes) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+def _weight_specs(ax: EPAxes, w: MoEWeights) -> tuple:
+    """shard_map specs of w.gate, w.up, w.down (for quantized weights, a spec each for qvalue and scale)."""
     e, t = _spec(ax.expert), _spec(ax.tensor)
-    return PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None)
+    specs = PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None)
+    return tuple(quant.leaf_spec(p, a) for p, a in zip(specs, (w.gate, w.up, w.down), strict=True))
 
 
 def _pad_tokens(x: Array, r: Routing, multiple: int) -> tuple[Array, Array, Array]:
@@ -212,12 +215,13 @@ def _same_vma(*arrays: Array) -> list[Array]:
     indices (the sort by local expert) carried only this shard's part of dx. `pcast` costs nothing
     at run time; its transpose is that psum.
     """
-    axes = set().union(*(_varying(a) for a in arrays))
+    leaves, treedef = jax.tree.flatten(list(arrays))  # a quantized weight is two leaves
+    axes = set().union(*(_varying(a) for a in leaves))
     out = []
-    for a in arrays:
+    for a in leaves:
         missing = tuple(sorted(axes - _varying(a)))
         out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return out
+    return jax.tree.unflatten(treedef, out)
 
 
 def local_swiglu(rows: Array, local_ids: Array, gate: Array, up: Array, down: Array, impl: str) -> Array:
@@ -226,15 +230,16 @@ def local_swiglu(rows: Array, local_ids: Array, gate: Array, up: Array, down: Ar
     valid = local_ids < n_local
     if impl == "dense":
         onehot = (local_ids[:, None] == jnp.arange(n_local)[None]).astype(rows.dtype)
-        h = jax.nn.silu(jnp.einsum("md,edf->emf", rows, gate)) * jnp.einsum("md,edf->emf", rows, up)
-        return jnp.einsum("emf,efd,me->md", h, down, onehot)
+        h = jax.nn.silu(quant.einsum("md,edf->emf", rows, gate)) * quant.einsum("md,edf->emf", rows, up)
+        y = quant.einsum("emf,efd->emd", h, down)
+        return jnp.einsum("emd,me->md", y, onehot)
     order = jnp.argsort(local_ids, stable=True)
     sorted_rows = rows[order]
     sizes = jnp.zeros((n_local + 1,), jnp.int32).at[local_ids].add(1)[:n_local]
     if impl == "ragged":
-        g = jax.lax.ragged_dot(sorted_rows, gate, sizes)
-        u = jax.lax.ragged_dot(sorted_rows, up, sizes)
-        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
+        g = quant.ragged_dot(sorted_rows, gate, sizes)
+        u = quant.ragged_dot(sorted_rows, up, sizes)
+        y = quant.ragged_dot(jax.nn.silu(g) * u, down, sizes)
     elif impl == "tiled":
         sorted_rows, gate, up, down = _same_vma(sorted_rows, gate, up, down)
         y = grouped_swiglu(sorted_rows, sizes, gate, up, down)
@@ -287,7 +292,7 @@ def dispatch_ep_gather(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, me
 
     tok = PartitionSpec(_spec(ax.token), None)
     out = PartitionSpec(_spec(ax.token + ax.expert) if scatter else _spec(ax.token), None)
-    y = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax)), out)(xp, experts, weights, w.gate, w.up, w.down)
+    y = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax, w)), out)(xp, experts, weights, w.gate, w.up, w.down)
     return y[:n], jnp.zeros((), jnp.int32)
 
 
@@ -340,7 +345,7 @@ def dispatch_ep_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig, mesh:
         return out.astype(x.dtype), dropped
 
     tok = PartitionSpec(_spec(split), None)
-    fn = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax)), (tok, PartitionSpec()))
+    fn = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax, w)), (tok, PartitionSpec()))
     y, dropped = fn(xp, experts, weights, w.gate, w.up, w.down)
     return y[:n], dropped
 
@@ -437,5 +442,5 @@ def dispatch_ep_ragged_a2a(x: Array, r: Routing, w: MoEWeights, cfg: ModelConfig
         y = local_swiglu(s.rows, ids, w.gate, w.up, w.down, impl)
         return combine_sorted(y, s, r, x.dtype), jnp.zeros((), jnp.int32)
     tok = PartitionSpec(_spec(split), None)
-    y = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax)), tok)(xp, experts, weights, w.gate, w.up, w.down)
+    y = _shard_map(local, ax, (tok, tok, tok, *_weight_specs(ax, w)), tok)(xp, experts, weights, w.gate, w.up, w.down)
     return y[:n], jnp.zeros((), jnp.int32)

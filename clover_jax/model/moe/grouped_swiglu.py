@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax import kernels
+from clover_jax.model import quant
 
 Array = jax.Array
 
@@ -61,8 +62,9 @@ def _walk_group(start: Array, size: Array, heights: tuple[int, ...], tile_fn: Ca
 
 def _expert_weights(w: Array, layer: Array, e: Array) -> Array:
     """w[layer, e] straight from the layer-stacked tensor: one expert's matrix, nothing else copied."""
-    return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False), e, 0,
-                                        keepdims=False)
+    take = lambda a: jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), e, 0,
+                                                  keepdims=False)
+    return jax.tree.map(take, w)  # an array, or a QArray's qvalue and scale
 
 
 def _grouped_swiglu_fwd_loop(rows: Array, gate: Array, up: Array, down: Array, layer: Array, sizes: Array,
@@ -72,7 +74,7 @@ def _grouped_swiglu_fwd_loop(rows: Array, gate: Array, up: Array, down: Array, l
 
         def tile_fn(row: Array, h: int, out: Array) -> Array:
             tile = jax.lax.dynamic_slice_in_dim(rows, row, h)
-            y = (jax.nn.silu(tile @ wg) * (tile @ wu)) @ wd
+            y = quant.matmul(jax.nn.silu(quant.matmul(tile, wg)) * quant.matmul(tile, wu), wd)
             return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), row, 0)
 
         return _walk_group(starts[e], sizes[e], heights, tile_fn, out)
@@ -97,7 +99,7 @@ def _grouped_swiglu_forward(rows: Array, gate: Array, up: Array, down: Array, la
                             starts: Array, heights: tuple[int, ...]) -> Array:
     """The CPU kernel where it applies (float32 on CPU, see clover_jax.kernels), else the tile walk."""
     walk = partial(_walk_forward, heights=heights)
-    f32 = all(a.dtype == jnp.float32 for a in (rows, gate, up, down))
+    f32 = all(not quant.is_quantized(a) and a.dtype == jnp.float32 for a in (rows, gate, up, down))
     if not (f32 and jax.default_backend() == "cpu" and kernels.available()):
         return walk(rows, gate, up, down, layer, sizes, starts)
     call_kernel = lambda rows, gate, up, down, layer, sizes, starts: kernels.grouped_swiglu(

@@ -1,0 +1,159 @@
+"""Weight-only quantization: per-channel int8 or fp8 (e4m3) weights as Qwix `QArray`s in the weight pytree.
+
+A quantized weight is `qwix.QArray(qvalue, scale)`: `qvalue` has the weight's shape in int8 or float8_e4m3fn,
+`scale` (float32) has the same rank with size 1 on the axes the matmul contracts and one value per output
+channel elsewhere, so `weight ~= qvalue * scale` (absmax calibration: the largest |w| of a channel maps to
+127, or to 448 for e4m3). Both leaves carry logical axes (the scale's contracted axes are None), so the
+sharding rules of the float model apply unchanged.
+
+Which weights: the matmul weights, whose `ParamSpec.contract` names the contracted axes: attention and
+Gated DeltaNet projections, dense / shared / routed expert MLPs and the LM head. Embeddings, norms, the
+router, convs and the small per-head vectors stay as they are.
+
+The matmuls (`einsum`, `matmul`, `ragged_dot`) take a float array or a QArray on the right. For a QArray
+they go through Qwix's ops, which dequantize the weight into the activations' dtype next to the dot (XLA
+fuses the convert and the scale into the matmul on GPU and TPU); no float copy of all weights is ever made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+
+from clover_jax.config import QUANTIZATIONS
+from clover_jax.errors import ConfigError
+
+Array = jax.Array
+QArray = qwix.QArray
+
+NONE = "none"
+SCHEMES = QUANTIZATIONS
+# The storage type of each scheme (the QArray's static `qtype` is this very object, so trees compare equal).
+QTYPES: dict[str, Any] = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+assert (NONE, *QTYPES) == SCHEMES
+# Random init of a quantized weight (tests, benchmarks, the planner): qvalue ~ N(0, QSTD^2) rounded into
+# range, scale = std / QSTD, so the weight is ~N(0, std^2) as in the float model.
+QSTD = {"int8": 32.0, "fp8": 64.0}
+
+
+def is_quantized(w: Any) -> bool:
+    """Whether `w` is a quantized weight (a QArray), of arrays or of specs."""
+    return isinstance(w, QArray)
+
+
+def scheme_of(w: QArray) -> str:
+    """'int8' or 'fp8': the scheme of a quantized weight."""
+    for name, qt in QTYPES.items():
+        if np.dtype(w.qtype) == np.dtype(qt):
+            return name
+    raise ConfigError(f"unknown quantized storage type {w.qtype!r}")
+
+
+def check_scheme(scheme: str) -> str:
+    """`scheme` if it names a quantization ('none', 'int8', 'fp8'), else ConfigError listing them."""
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown quantization {scheme!r}; known: {', '.join(SCHEMES)}")
+    return scheme
+
+
+def scale_shape(shape: tuple[int, ...], contract: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale's shape: 1 on the contracted axes, the weight's size elsewhere."""
+    return tuple(1 if i in contract else n for i, n in enumerate(shape))
+
+
+def quantize(w: Array, contract: tuple[int, ...], scheme: str) -> QArray:
+    """Per-channel absmax quantization of a float weight (Qwix): one scale per index of the axes not in
+    `contract`. Runs in float32 whatever w's dtype; scale float32."""
+    if scheme not in QTYPES:
+        raise ConfigError(f"cannot quantize to {scheme!r}; choose one of {', '.join(QTYPES)}")
+    channels = tuple(i for i in range(w.ndim) if i not in contract)
+    q = qwix.quantize(jnp.asarray(w, jnp.float32), QTYPES[scheme], channelwise_axes=channels)
+    return QArray(qvalue=q.qvalue, scale=q.scale.astype(jnp.float32), qtype=QTYPES[scheme])
+
+
+def dequantize(w: Any, dtype: Any = jnp.float32) -> Any:
+    """The float weight `qvalue * scale` in `dtype` for a QArray; anything else is returned as is."""
+    if not is_quantized(w):
+        return w
+    return (w.qvalue.astype(jnp.float32) * w.scale.astype(jnp.float32)).astype(dtype)
+
+
+def _rhs(x: Array, w: QArray) -> QArray:
+    """The weight dequantized into x's dtype (the QArray's scale dtype decides it)."""
+    return dataclasses.replace(w, scale=w.scale.astype(x.dtype))
+
+
+def einsum(eq: str, x: Array, w: Any, **kw: Any) -> Array:
+    """`jnp.einsum(eq, x, w)` for a float or quantized weight `w`."""
+    if is_quantized(w):
+        return qwix.einsum(eq, x, _rhs(x, w), **kw)
+    return jnp.einsum(eq, x, w, **kw)
+
+
+def matmul(x: Array, w: Any) -> Array:
+    """`x @ w` (x [..., D], w [D, F]) for a float or quantized weight."""
+    if is_quantized(w):
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        return qwix.dot_general(x, _rhs(x, w), dims)
+    return x @ w
+
+
+def ragged_dot(x: Array, w: Any, group_sizes: Array) -> Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes)` (w [E, D, F]) for a float or quantized weight."""
+    if is_quantized(w):
+        return qwix.ragged_dot(x, _rhs(x, w), group_sizes)
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def index(w: Any, i: Any) -> Any:
+    """w[i] on the leading axis, for an array or a QArray (its scale keeps that axis)."""
+    return jax.tree.map(lambda a: a[i], w)
+
+
+def leaf_spec(pspec: Any, w: Any) -> Any:
+    """A shard_map / device_put spec for `w` from the weight's PartitionSpec: for a QArray, the scale's
+    size-1 (contracted) axes are not split."""
+    if not is_quantized(w):
+        return pspec
+    parts = tuple(pspec) + (None,) * (w.scale.ndim - len(pspec))
+    scale = jax.sharding.PartitionSpec(*(None if n == 1 else p for n, p in zip(w.scale.shape, parts, strict=True)))
+    return QArray(qvalue=pspec, scale=scale, qtype=w.qtype)
+
+
+# ---- backends ---------------------------------------------------------------------------------------
+
+# GPUs with fp8 tensor cores (compute capability 8.9+) and TPUs with fp8 matrix units.
+_FP8_TPU_KINDS = ("tpu7", "tpu v7", "ironwood")
+
+
+def fp8_support(device: Any) -> tuple[bool, str]:
+    """(whether `device` runs fp8 weights, what it is). CPU: yes, emulated (tests and tools). GPU: compute
+    capability 8.9 or later (L4, H100, H200, B200). TPU: v7; v5e, v5p and v6e have no fp8 matrix units."""
+    kind = str(getattr(device, "device_kind", device)).lower()
+    platform = getattr(device, "platform", "tpu" if "tpu" in kind else "gpu")
+    if platform == "cpu":
+        return True, "cpu"
+    if platform == "gpu" or platform == "cuda":
+        cc = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(p) for p in str(cc).split(".")[:2])
+        except ValueError:
+            return False, f"GPU {kind} (compute capability {cc})"
+        return (major, minor) >= (8, 9), f"GPU {kind} (compute capability {cc})"
+    return any(k in kind for k in _FP8_TPU_KINDS), f"TPU {kind}"
+
+
+def check_backend(scheme: str, devices: Any = None) -> None:
+    """ConfigError unless every device can run `scheme` weights (fp8 needs fp8 hardware; int8 runs anywhere)."""
+    if scheme != "fp8":
+        return
+    for d in devices if devices is not None else jax.devices():
+        ok, what = fp8_support(d)
+        if not ok:
+            raise ConfigError(f"fp8 weights need a chip with fp8 matrix units (GPU compute capability 8.9+, "
+                              f"TPU v7); this is a {what}: use int8 weights instead (clover convert --quantize int8)")
