@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from clover_jax.config import load_config
+from clover_jax.config import QUANTIZATIONS, load_config
 from clover_jax.errors import PlanError
 from clover_jax.mesh.layouts import load_layout
 from clover_jax.plan import format_plan, make_plan
@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chip", default=None, help="chip for the roofline if the layout names none (v5e, v5p, v6e, "
                                                 "h100, h200)")
     p.add_argument("--dtype", default=None, help="override the config's dtype (e.g. bfloat16)")
+    p.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
+                   help="plan the config with weight-only int8 / fp8 matmul weights (default: the config's own)")
     p.add_argument("--no-compile", action="store_true", help="TPU layouts: arithmetic only, skip the AOT compile")
     p.set_defaults(func=run)
 
@@ -46,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
+    if args.quantize:
+        cfg = cfg.replace(quantization=args.quantize)
     layout = load_layout(args.mesh)
     seq_len = min(4096, cfg.max_seq_len) if args.seq_len is None else args.seq_len
     if seq_len <= 0 or (args.batch is not None and args.batch <= 0):

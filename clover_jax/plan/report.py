@@ -116,6 +116,9 @@ def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq
         raise PlanError(f"layout {layout.name!r}: chip {chip_key!r} is not in the plan table; "
                         f"pass --chip one of {', '.join(CHIPS)}")
     spec_chip = CHIPS[chip_key]
+    if cfg.quantization == "fp8" and not spec_chip.fp8:
+        raise PlanError(f"fp8 weights need fp8 matrix units, which {spec_chip.name} does not have; "
+                        "plan int8 weights instead (--quantize int8)")
     block = block or cfg.block_size
     data = shards(layout, "batch")
     batch = batch or data
@@ -175,6 +178,13 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} us"
 
 
+def _weights_kind(c: ModelConfig) -> str:
+    if c.quantization == "none":
+        return c.dtype
+    return (f"{c.quantization} matmul weights with float32 per-channel scales, embeddings and norms as stored "
+            f"({c.dtype} / float32)")
+
+
 def format_plan(plan: Plan) -> str:
     """The report of `plan` as text: chip, weights, cache, per-pass memory, FLOPs and roofline, verdict."""
     c, lay, chip = plan.cfg, plan.layout, plan.chip
@@ -186,7 +196,7 @@ def format_plan(plan: Plan) -> str:
         f"chip: {_gb(chip.hbm_bytes)} HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
         f"{chip.hbm_bw / 1e9:.0f} GB/s (published)",
         f"weights: {counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active), {_gb(plan.weights_total)} "
-        f"in {c.dtype}; {_gb(plan.weights_per_chip)} per chip (arithmetic, from the shardings)",
+        f"in {_weights_kind(c)}; {_gb(plan.weights_per_chip)} per chip (arithmetic, from the shardings)",
         f"KV cache: {_gb(plan.cache_per_chip)} per chip for batch {plan.passes[0].shape.batch} x "
         f"{plan.passes[0].shape.kv_len} tokens",
         "cache per sequence: " + ", ".join(f"{_gb(cache_bytes(c, 1, n))} at {n // 1024}K" for n in CONTEXTS
