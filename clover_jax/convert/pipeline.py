@@ -8,6 +8,12 @@ the destination appears only when complete (temp directory renamed into place).
 Memory: tensors are read and written one key-map group at a time (one projection of one layer's
 experts at most), never the whole model.
 
+Quantization (`quantize`): `quantize="int8" | "fp8"` makes the destination a quantized native checkpoint,
+from a HF source (`hf_to_native`) or from a native float one (`quantize_native`), each matmul weight quantized
+a chunk at a time as it streams through; its config.json records the scheme. A quantized native checkpoint
+exports to HF only with `dequantize=True`, as float weights in its config's dtype (HF checkpoints hold float
+weights). Quantizing a quantized checkpoint is refused before anything is written.
+
 Families: one module each (clover, llada2_moe, llada_moe, qwen3_moe) with `detect`,
 `config_from_hf`, `config_to_hf` and `groups` (the HF keys of each weight, `mapping`).
 """
@@ -30,7 +36,10 @@ from clover_jax.checkpoint.format import key_problems, summary
 from clover_jax.config import ModelConfig
 from clover_jax.convert import clover, hf_io, llada2_moe, llada_moe, mapping, qwen3_5_moe, qwen3_moe
 from clover_jax.convert.hf_extras import write_hf_extras
+from clover_jax.convert.quantize import DequantizedReader, check_scheme, quantized_leaves, stream_chunk
 from clover_jax.errors import ConversionError
+from clover_jax.model import quant
+from clover_jax.tokenizer import TOKENIZER_FILES
 
 # The HF families by name (a native config's `family`, or what `--family` names).
 FAMILIES = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe, qwen3_5_moe)}
@@ -50,20 +59,32 @@ def is_native(path: str) -> bool:
         return False
 
 
-def convert(src: str, dst: str, **kw: Any) -> str:
-    """Convert `src` into `dst` in the other format (native -> HF or HF -> native); returns `dst`'s path.
+def convert(src: str, dst: str, quantize: str | None = None, dequantize: bool = False, **kw: Any) -> str:
+    """Convert `src` into `dst`; returns `dst`'s path. A native `src` is exported to HF (a quantized one only
+    with `dequantize`), or with `quantize` written as a quantized native checkpoint; anything else is
+    imported from HF (quantized with `quantize`: "int8" or "fp8").
 
     Keyword arguments are those of `native_to_hf` / `hf_to_native`; the other direction's are ignored.
     """
+    scheme = _quantize_scheme(quantize, dequantize)
     if not os.path.isdir(src):
         raise ConversionError(f"source {src!r} is not a directory")
     checkpoint.check_destination(dst, bool(kw.get("force")), sources=(src,))
     if is_native(src):
+        if scheme:
+            return quantize_native(src, dst, scheme, force=bool(kw.get("force")), progress=kw.get("progress", True))
         kw.pop("allow_pickle", None)
         kw.pop("mask_token_id", None)
-        return native_to_hf(src, dst, **kw)
+        return native_to_hf(src, dst, dequantize=dequantize, **kw)
     kw.pop("max_shard_bytes", None)
-    return hf_to_native(src, dst, **kw)
+    return hf_to_native(src, dst, quantize=scheme, **kw)
+
+
+def _quantize_scheme(quantize: str | None, dequantize: bool) -> str | None:
+    scheme = check_scheme(quantize)
+    if scheme and dequantize:
+        raise ConversionError("--quantize and --dequantize contradict each other: pass one of them")
+    return scheme
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -179,13 +200,22 @@ def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any, bad:
 
 
 def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: int | None = None,
-                 allow_pickle: bool = False, force: bool = False, progress: bool = True) -> str:
+                 allow_pickle: bool = False, force: bool = False, progress: bool = True,
+                 quantize: str | None = None) -> str:
     """Import a HuggingFace checkpoint directory as a native one at `dst`; returns its path.
 
     family: the HF family when config.json does not tell. mask_token_id: for families whose config has
-    none. allow_pickle: accept PyTorch .bin files (read with weights_only=True).
+    none. allow_pickle: accept PyTorch .bin files (read with weights_only=True). quantize: "int8" or "fp8"
+    to write the matmul weights quantized (`convert.quantize`), each as it streams through.
     """
+    scheme = check_scheme(quantize)
     hf = _read_hf_config(src)
+    if hf.get("quantization_config"):
+        method = (hf["quantization_config"] or {}).get("quant_method", "?") \
+            if isinstance(hf["quantization_config"], dict) else "?"
+        raise ConversionError(f"{src} is a quantized HuggingFace checkpoint (quantization_config, quant_method "
+                              f"{method!r}); import its float (bfloat16) release instead"
+                              + (f" and quantize that with --quantize {scheme}" if scheme else ""))
     mod = _family_of(hf, family)
     source = hf_io.open_source(src, allow_pickle)
     try:
@@ -202,6 +232,9 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConversionError(f"the embedding {embed_key} has dtype {dtype}; expected a float type")
         cfg = mod.config_from_hf(hf, name, dtype, mask_token_id).replace(**extra)
+        if cfg.quantization != quant.NONE:  # a clover config.json naming the native field
+            raise ConversionError(f"{src}/config.json says quantization {cfg.quantization!r}, but a HuggingFace "
+                                  "checkpoint holds float weights; remove the field (or set it to \"none\")")
         groups = mod.groups(cfg, **variants)
         dtypes = _check_tensors(cfg, groups, source)
 
@@ -245,29 +278,97 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
             return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
         leaves = {n: lazy(n, s) for n, s in specs.items()}
+        if scheme:  # every chunk above holds whole contracted axes: one layer (or experts), lm_head's (D, rows)
+            cfg, leaves = cfg.replace(quantization=scheme), quantized_leaves(specs, leaves, scheme)
         record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf, "tensor_fields": extra}
         try:
             out = checkpoint.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
                                    extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
         finally:
             bar.close()
-        if bad:
-            print(f"clover convert: warning: {sum(bad.values())} NaN/Inf values in {len(bad)} weights ("
-                  + ", ".join(f"{k}: {v}" for k, v in sorted(bad.items())[:6]) + (", ..." if len(bad) > 6 else "")
-                  + f"); the checkpoint {src} itself holds them", file=sys.stderr)
+        _warn_nonfinite(bad, src)
         return out
     finally:
         source.close()
 
 
+def _warn_nonfinite(bad: dict[str, int], src: str) -> None:
+    if bad:
+        print(f"clover convert: warning: {sum(bad.values())} NaN/Inf values in {len(bad)} weights ("
+              + ", ".join(f"{k}: {v}" for k, v in sorted(bad.items())[:6]) + (", ..." if len(bad) > 6 else "")
+              + f"); the checkpoint {src} itself holds them", file=sys.stderr)
+
+
+def _side_files(src: str) -> dict[str, str]:
+    """The text files next to config.json in a native checkpoint (hf_source.json, MODEL_CARD.md, ...), by name;
+    config.json and the tokenizer files (copied on their own) left out."""
+    out = {}
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if name == checkpoint.CONFIG_FILE or name in TOKENIZER_FILES or name.startswith(".") \
+                or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8", newline="") as f:  # byte for byte, line ends included
+                out[name] = f.read()
+        except UnicodeDecodeError:
+            print(f"clover convert: warning: {path} is not a text file; not copied", file=sys.stderr)
+    return out
+
+
+def quantize_native(src: str, dst: str, scheme: str, force: bool = False, progress: bool = True) -> str:
+    """Write the native float checkpoint `src` as a native checkpoint at `dst` with its matmul weights
+    quantized (`scheme`: "int8" or "fp8"), streaming a chunk at a time; returns `dst`'s path. Tokenizer files,
+    hf_source.json and the other files next to config.json are copied; the other weights are copied exactly.
+    ConversionError, before anything is written, when `src` is quantized already."""
+    scheme = check_scheme(scheme)
+    if scheme is None:
+        raise ConversionError(f"quantize_native needs a scheme; choose one of {', '.join(quant.QTYPES)}")
+    reader = WeightReader(src)
+    cfg = reader.config
+    if cfg.quantization != quant.NONE:
+        raise ConversionError(f"{src} is already quantized ({cfg.quantization}); quantize a float checkpoint "
+                              f"instead (this one exports to float with --dequantize)")
+    specs = checkpoint.expected_leaves(cfg)
+    bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()), "quantize", progress)
+    bad: dict[str, int] = {}
+
+    def lazy(name: str, spec: Any) -> LazyLeaf:
+        def read(idx: tuple[slice, ...]) -> np.ndarray:
+            a = reader.read(name, idx)
+            _count_nonfinite(bad, name, a)
+            bar.update(a.nbytes)
+            return a
+
+        chunk = stream_chunk(spec.shape, np.dtype(spec.dtype).itemsize, tuple(spec.contract), "layers." in name,
+                             ROW_BLOCK_BYTES)
+        return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
+
+    leaves = quantized_leaves(specs, {n: lazy(n, s) for n, s in specs.items()}, scheme)
+    try:
+        out = checkpoint.save_streaming(dst, cfg.replace(quantization=scheme), leaves, tokenizer_dir=src, force=force,
+                                        extra_files=_side_files(src))
+    finally:
+        bar.close()
+    _warn_nonfinite(bad, src)
+    return out
+
+
 def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 force: bool = False, progress: bool = True) -> str:
+                 force: bool = False, progress: bool = True, dequantize: bool = False) -> str:
     """Export a native checkpoint as HuggingFace safetensors at `dst`; returns its path.
 
     family: write the tensors as another family names them (default: the checkpoint's own). The config
-    and dtypes an import came from are restored exactly when the config is unchanged.
+    and dtypes an import came from are restored exactly when the config is unchanged. A quantized checkpoint
+    is refused unless `dequantize`: then each weight is written as `qvalue * scale` in the config's dtype
+    (`convert.quantize.DequantizedReader`), and the HF config is the float model's.
     """
-    reader = WeightReader(src)
+    reader: Any = WeightReader(src)
+    if reader.config.quantization != quant.NONE:
+        if not dequantize:
+            raise ConversionError(f"{src} holds {reader.config.quantization} weights; pass --dequantize to export "
+                                  f"them as {reader.config.dtype} safetensors")
+        reader = DequantizedReader(reader)
     cfg = reader.config
     record: dict[str, Any] = {}
     rec_path = os.path.join(src, SOURCE_FILE)
