@@ -29,7 +29,7 @@ from clover_jax.errors import CloverError, SamplerError, UsageError
 from clover_jax.jsonfile import read_object
 from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
-from clover_jax.model import params
+from clover_jax.model import params, quant
 from clover_jax.model.moe import get_dispatch
 from clover_jax.paths import unwritable_reason
 from clover_jax.sampler import (
@@ -129,6 +129,7 @@ def _load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenize
                          f"({', '.join(preset_names())})")
     check_model(cfg)  # before any weight is read or made
     mesh = mesh_from_arg(mesh_name)
+    quant.check_backend(cfg.quantization, None if mesh is None else list(mesh.mesh.devices.flat))
     shardings = None if mesh is None else params.weight_shardings(cfg, mesh.mesh, mesh.rules)
     if is_dir:
         print(f"clover generate: loading {model} ...", file=sys.stderr, flush=True)

@@ -2,9 +2,9 @@
 
 A quantized weight is `qwix.QArray(qvalue, scale)`: `qvalue` has the weight's shape in int8 or float8_e4m3fn,
 `scale` (float32) has the same rank with size 1 on the axes the matmul contracts and one value per output
-channel elsewhere, so `weight ~= qvalue * scale` (absmax calibration: the largest |w| of a channel maps to
-127, or to 448 for e4m3). Both leaves carry logical axes (the scale's contracted axes are None), so the
-sharding rules of the float model apply unchanged.
+channel elsewhere, so `weight ~= qvalue * scale` (Qwix's absmax calibration: the largest |w| of a channel maps to
+127.5, rounded into int8's range, or to 448 for e4m3). Both leaves carry logical axes (the scale's contracted
+axes are None), so the sharding rules of the float model apply unchanged.
 
 Which weights: the matmul weights, whose `ParamSpec.contract` names the contracted axes: attention and
 Gated DeltaNet projections, dense / shared / routed expert MLPs and the LM head. Embeddings, norms, the
@@ -88,11 +88,18 @@ def _rhs(x: Array, w: QArray) -> QArray:
     return dataclasses.replace(w, scale=w.scale.astype(x.dtype))
 
 
-def einsum(eq: str, x: Array, w: Any, **kw: Any) -> Array:
-    """`jnp.einsum(eq, x, w)` for a float or quantized weight `w`."""
-    if is_quantized(w):
-        return qwix.einsum(eq, x, _rhs(x, w), **kw)
-    return jnp.einsum(eq, x, w, **kw)
+def einsum(eq: str, x: Array, w: Any, preferred_element_type: Any = None) -> Array:
+    """`jnp.einsum(eq, x, w, preferred_element_type=...)` for a float or quantized weight `w`."""
+    if not is_quantized(w):
+        return jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type)
+    out = preferred_element_type
+    if out is None or jnp.dtype(out) == x.dtype:
+        return qwix.einsum(eq, x, _rhs(x, w), preferred_element_type=out)
+    mixed = lambda x, w: qwix.einsum(eq, x, _rhs(x, w), preferred_element_type=out)
+    # XLA:CPU has no bf16 x bf16 -> f32 dot for a dequantized operand: there both sides go to the output dtype.
+    wide = lambda x, w: qwix.einsum(eq, x.astype(out), dataclasses.replace(w, scale=w.scale.astype(out)),
+                                    preferred_element_type=out)
+    return jax.lax.platform_dependent(x, w, cpu=wide, default=mixed)
 
 
 def matmul(x: Array, w: Any) -> Array:
@@ -134,7 +141,8 @@ _FP8_TPU_KINDS = ("tpu7", "tpu v7", "ironwood")
 def fp8_support(device: Any) -> tuple[bool, str]:
     """(whether `device` runs fp8 weights, what it is). CPU: yes, emulated (tests and tools). GPU: compute
     capability 8.9 or later (L4, H100, H200, B200). TPU: v7; v5e, v5p and v6e have no fp8 matrix units."""
-    kind = str(getattr(device, "device_kind", device)).lower()
+    name = str(getattr(device, "device_kind", device))
+    kind = name.lower()
     platform = getattr(device, "platform", "tpu" if "tpu" in kind else "gpu")
     if platform == "cpu":
         return True, "cpu"
@@ -143,9 +151,9 @@ def fp8_support(device: Any) -> tuple[bool, str]:
         try:
             major, minor = (int(p) for p in str(cc).split(".")[:2])
         except ValueError:
-            return False, f"GPU {kind} (compute capability {cc})"
-        return (major, minor) >= (8, 9), f"GPU {kind} (compute capability {cc})"
-    return any(k in kind for k in _FP8_TPU_KINDS), f"TPU {kind}"
+            return False, f"GPU {name} (compute capability {cc})"
+        return (major, minor) >= (8, 9), f"GPU {name} (compute capability {cc})"
+    return any(k in kind for k in _FP8_TPU_KINDS), name if name.upper().startswith("TPU") else f"TPU {name}"
 
 
 def check_backend(scheme: str, devices: Any = None) -> None:

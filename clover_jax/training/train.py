@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from clover_jax.config import ModelConfig
+from clover_jax.errors import ConfigError
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params
 from clover_jax.training import losses
@@ -324,6 +325,9 @@ def train(
     eval_at_end: evaluate after the last step (off when the caller runs its own final evaluation).
     Start-up (initialisation, restore, the first step's compile) is announced through `log`.
     """
+    if cfg.quantization != "none":
+        raise ConfigError(f"config {cfg.name!r} has {cfg.quantization} weights: training needs float weights "
+                          "(train the float model, then clover convert --quantize)")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     tx = make_optimizer(cfg, tc)
     w_sh = batch_sh = None
