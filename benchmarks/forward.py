@@ -4,6 +4,8 @@
     python benchmarks/forward.py --batch 1 --dispatch tiled --no-torch
     python benchmarks/forward.py --hybrid             # Qwen3.5 layout: 2 groups of 3 Gated DeltaNet + 1 gated attn
     python benchmarks/forward.py --gdn                # one Gated DeltaNet layer: chunked vs recurrent, T 32..2048
+    python benchmarks/forward.py --no-torch --dispatch tiled ragged --quantize int8 fp8 --dtype float32 bfloat16
+                                                      # weight-only int8 / fp8 next to the float weights
 
 Every figure is the median wall time of `--runs` warm calls of one jitted forward pass (compile excluded),
 the candidates taken in turns so that a busy neighbour on a shared machine slows all of them alike;
@@ -49,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gdn", action="store_true",
                    help="only one Gated DeltaNet layer: chunked vs recurrent form (and transformers') at --gdn-lengths")
     p.add_argument("--gdn-lengths", type=int, nargs="+", default=[32, 256, 2048])
+    p.add_argument("--quantize", nargs="+", default=[], choices=["int8", "fp8"],
+                   help="also time each dispatch with weight-only quantized matmul weights (candidates NAME@int8, "
+                        "NAME@fp8), and print their max |logit diff| against the float weights")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                   help="weight / activation dtypes to time (default float32; candidates NAME:bfloat16)")
     args = p.parse_args(argv)
     for name in ("seq", "layers", "d_model", "heads", "kv_heads", "head_dim", "experts", "top_k", "expert_width",
                  "vocab", "runs"):
@@ -74,14 +81,14 @@ def make_config(args: argparse.Namespace):
             norm_topk_prob=True, attention="block_causal", block_size=1, qk_norm=True, attn_output_gate=True,
             norm_unit_offset=True, partial_rotary_factor=0.25, layer_types=group * (args.layers // 4),
             linear_num_key_heads=args.heads // 2, linear_num_value_heads=args.heads, linear_key_head_dim=args.head_dim,
-            linear_value_head_dim=args.head_dim, dtype="float32", max_seq_len=max(4096, args.seq), eos_token_id=1,
+            linear_value_head_dim=args.head_dim, dtype=args.dtype[0], max_seq_len=max(4096, args.seq), eos_token_id=1,
             pad_token_id=0, init_std=0.05,
         )
     return ModelConfig(
         name="bench-qwen3-moe", family="qwen3_moe", vocab_size=args.vocab, d_model=args.d_model,
         n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
         n_experts=args.experts, n_experts_per_tok=args.top_k, expert_mlp_dim=args.expert_width,
-        router="softmax", norm_topk_prob=True, attention="bidirectional", qk_norm=True, dtype="float32",
+        router="softmax", norm_topk_prob=True, attention="bidirectional", qk_norm=True, dtype=args.dtype[0],
         max_seq_len=max(4096, args.seq), eos_token_id=1, pad_token_id=0,
     )
 
@@ -179,20 +186,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from clover_jax import kernels, model
     from clover_jax.model.moe import DISPATCH
-    from clover_jax.model.params import init
+    from clover_jax.model.params import abstract, init, is_spec, quantize_weights
 
     unknown = [d for d in args.dispatch if d.removesuffix("-jax") not in DISPATCH]
     if unknown:
         print(f"unknown dispatch {unknown}; known: {sorted(DISPATCH)}", file=sys.stderr)
         return 2
-    cfg = make_config(args)
+    cfg = make_config(args).replace(dtype="float32")
     weights = init(cfg, jax.random.key(0))
+    # Every candidate's weights: (config, weights) by suffix; "" = the first --dtype, float.
+    variants = {}
+    for dt in args.dtype:
+        c = cfg.replace(dtype=dt)
+        w = jax.tree.map(lambda s, a: a.astype(s.dtype), abstract(c), weights, is_leaf=is_spec)  # routers stay f32
+        suffix = "" if dt == args.dtype[0] else f":{dt}"
+        variants[suffix] = (c, w)
+        for scheme in args.quantize:
+            variants[f"{suffix}@{scheme}"] = quantize_weights(c, w, scheme)
     if args.gdn:
         return gdn_layer(args, cfg, weights)
     cores = os.cpu_count() or 1
     print(f"{cfg.n_layers} layers, d {cfg.d_model}, {cfg.n_heads}x{cfg.head_dim} heads ({cfg.n_kv_heads} kv), "
           f"{cfg.n_experts} experts top-{cfg.n_experts_per_tok} width {cfg.expert_mlp_dim}, vocab {cfg.vocab_size}, "
-          f"fp32, {args.seq} tokens/row; jax {jax.__version__} on {jax.default_backend()}, {cores} cores; "
+          f"{'/'.join(args.dtype)}{' + ' + '/'.join(args.quantize) if args.quantize else ''}, {args.seq} tokens/row; "
+          f"jax {jax.__version__} on {jax.default_backend()}, {cores} cores; "
           f"median of {args.runs} warm runs", flush=True)
     if jax.default_backend() == "cpu":
         state = "on" if kernels.available() else f"off ({kernels.unavailable_reason() or 'CLOVER_KERNELS=0'})"
@@ -226,13 +243,15 @@ def main(argv: list[str] | None = None) -> int:
                     return torch_model(input_ids=ids, attention_mask=mask4).logits
 
             calls["transformers"] = run_torch
-        for name in args.dispatch:
-            # Compiled here, so that a NAME-jax candidate is traced with the CPU kernels off.
-            dispatch = name.removesuffix("-jax")
-            with kernels.switched_off() if name.endswith("-jax") else contextlib.nullcontext():
-                fwd = fwds[name] = jax.jit(lambda w, t, d=dispatch: model.apply(w, cfg, t, dispatch=d)).lower(
-                    weights, tokens).compile()
-            calls[name] = lambda fwd=fwd, tokens=tokens: fwd(weights, tokens).block_until_ready()
+        for base in args.dispatch:
+            for suffix, (c, w) in variants.items():
+                # Compiled here, so that a NAME-jax candidate is traced with the CPU kernels off.
+                name, dispatch = base + suffix, base.removesuffix("-jax")
+                with kernels.switched_off() if base.endswith("-jax") else contextlib.nullcontext():
+                    fwd = jax.jit(lambda w, t, d=dispatch, c=c: model.apply(w, c, t, dispatch=d)).lower(
+                        w, tokens).compile()
+                fwds[name] = (fwd, w)
+                calls[name] = lambda fwd=fwd, w=w, tokens=tokens: fwd(w, tokens).block_until_ready()
         times = interleaved_ms(calls, args.runs)
         row = {"B": b}
         ref = calls["transformers"]().numpy() if args.check and torch_model is not None else None
@@ -240,12 +259,21 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = statistics.median(ts)
             extra = ""
             if ref is not None and name != "transformers":
-                err = float(jnp.max(jnp.abs(fwds[name](weights, tokens) - ref)))
+                fwd, w = fwds[name]
+                err = float(jnp.max(jnp.abs(fwd(w, tokens) - ref)))
                 extra = f" (max |logit diff| vs transformers {err:.2e})"
+            elif "@" in name:
+                fwd, w = fwds[name]
+                plain = name.split("@")[0]
+                f0, w0 = fwds[plain]
+                r0 = f0(w0, tokens)
+                err = float(jnp.max(jnp.abs(fwd(w, tokens) - r0)) / jnp.max(jnp.abs(r0)))
+                extra = f" (max |logit diff| vs {plain}, relative to its max |logit|: {err:.2e})"
             print(f"B={b} {name} {row[name]:.1f} ms (min {min(ts):.1f}){extra}", flush=True)
         rows.append(row)
 
-    cols = (["transformers"] if torch_model is not None else []) + list(args.dispatch)
+    cols = (["transformers"] if torch_model is not None else []) + [n for n in rows[0] if n != "B"
+                                                                     and n != "transformers"]
     print("\n| B | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for row in rows:
