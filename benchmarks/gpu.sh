@@ -11,7 +11,8 @@
 # 2. `pip install tokamax` (a Pallas grouped-matmul library), jax held at the installed version; a
 #    failure is recorded ($OUT/tokamax_install.log) and the rest goes on;
 # 3. benchmarks/gpu_bench.py: the real Clover config with random bf16 weights, cached block passes at
-#    batch 1 / 8 / 64 with their HBM roofline, ragged_dot vs tokamax, full generate tokens/s
+#    batch 1 / 8 / 64 with their HBM roofline, ragged_dot vs tokamax, full generate tokens/s, then the
+#    block passes again with weight-only int8 and fp8 weights (--quantize)
 #    ($OUT/gpu_bench.json, rewritten after every step, so a timeout still leaves the finished steps).
 # Every stage is logged to $OUT/gpu.log; nothing here stops the script but the time budget.
 set -u

@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--dispatch", default=None, help="MoE dispatch (default: the config's)")
+    p.add_argument("--quantize", nargs="*", default=["int8", "fp8"], choices=["int8", "fp8"],
+                   help="after the float steps, the block passes again with weight-only quantized random weights "
+                        "(the float weights are freed first)")
     p.add_argument("--deadline-s", type=float, default=0.0, help="skip steps starting after this many seconds")
     p.add_argument("--tokamax-log", type=Path, default=None, help="gpu.sh's pip log for tokamax (recorded)")
     args = p.parse_args(argv)
@@ -136,7 +139,10 @@ def random_weights(cfg: Any) -> Any:
             return jax.jit(lambda key: jnp.full(spec.shape, val, dt))
 
         def normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-            return (spec.std * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+            x = spec.std * jax.random.normal(key, shape, jnp.float32)
+            if jnp.issubdtype(dt, jnp.integer):  # an int8 qvalue
+                x = jnp.clip(jnp.round(x), -127, 127)
+            return x.astype(dt)
 
         if spec.size <= 1 << 27 or len(spec.shape) < 2:
             return jax.jit(lambda key: normal(key, spec.shape))
@@ -170,6 +176,7 @@ def touched_weight_bytes(cfg: Any, tokens: int) -> dict[str, float]:
     total = experts = experts_all = 0.0
     for name, spec in params.named_leaves(params.abstract(cfg)):
         b = spec.size * jnp.dtype(spec.dtype).itemsize
+        name = name.removesuffix(".qvalue").removesuffix(".scale")  # a quantized weight's two leaves
         routed = name.split(".")[-1] in ("gate", "up", "down") and ".mlp." in name and ".shared." not in name \
             and len(spec.shape) == 4 and spec.shape[1] == cfg.n_experts
         if routed:
@@ -387,6 +394,25 @@ def main(argv: list[str] | None = None) -> int:
     if "weights" in state:
         for b in args.gen_batches:
             rec.step(f"generate_B{b}", lambda b=b: gen(args, state["cfg"], state["weights"], b))
+    for scheme in args.quantize:
+        state.clear()  # the float (or previous) weights go before the quantized ones are made
+
+        def qinit(scheme: str = scheme) -> dict[str, Any]:
+            import jax
+
+            from clover_jax.config import get_config
+
+            cfg = get_config(args.config, dtype=args.dtype, quantization=scheme)
+            t0 = time.perf_counter()
+            state["weights"], state["cfg"] = random_weights(cfg), cfg
+            nbytes = sum(x.nbytes for x in jax.tree.leaves(state["weights"]))
+            return {"quantization": scheme, "init_s": round(time.perf_counter() - t0, 2), "weight_bytes": nbytes}
+
+        rec.step(f"init_{scheme}", qinit)
+        if "weights" in state:
+            for b in args.batches:
+                rec.step(f"block_pass_B{b}_{scheme}",
+                         lambda b=b: block_pass(args, state["cfg"], state["weights"], b))
     ok = sum(1 for s in rec.data["steps"].values() if s.get("ok"))
     rec.data["meta"]["steps_ok"] = f"{ok}/{len(rec.data['steps'])}"
     rec.write()
