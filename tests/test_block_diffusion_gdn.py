@@ -71,10 +71,10 @@ def _direct(x, w, blocks):
     for t in range(t_len):
         start = blocks.index(blocks[t])
         hist = jnp.einsum("hkv,hk->hv", before[start], q[t] / jnp.sqrt(dk))
-        members = [j for j in range(t_len) if blocks[j] == blocks[t]]
-        logits = jnp.stack([w.bd_logit_scale * jnp.sum(q[t] * k[j], -1) for j in members], -1)  # [H, n]
+        members = jnp.array([j for j in range(t_len) if blocks[j] == blocks[t]])
+        logits = w.bd_logit_scale[:, None] * jnp.einsum("hk,nhk->hn", q[t], k[members])  # [H, n]
         p = jax.nn.softmax(jnp.concatenate([w.bd_history_bias[:, None], logits], -1), -1)
-        o = p[:, :1] * w.bd_history_c[:, None] * hist + jnp.einsum("hn,nhd->hd", p[:, 1:], v[jnp.array(members)])
+        o = p[:, :1] * w.bd_history_c[:, None] * hist + jnp.einsum("hn,nhd->hd", p[:, 1:], v[members])
         outs.append(o)
     o = jnp.stack(outs)[None]
     z = jnp.einsum("btd,dhk->bthk", x, w.z)

@@ -368,7 +368,8 @@ def train(
 
     state_sh = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
     if mesh is None:
-        step_fn = _single_device_step(cfg, tc)  # shared by calls with the same configs (resume, tests)
+        # Shared by calls with the same configs (resume, tests), whatever the model's name: it is in no program.
+        step_fn = _single_device_step(cfg.replace(name="train-step"), tc)
     else:
         step_fn = jax.jit(make_train_step(cfg, tc, tx, mesh), donate_argnums=0,
                           in_shardings=(state_sh, batch_sh, batch_sh, batch_sh), out_shardings=(state_sh, None))
