@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan", help="per-chip memory and pass cost of a config on a mesh layout (TPU: AOT-compiled, no TPU needed)",
         description="TPU layouts are AOT-compiled for the slice's topology with libtpu (works on a CPU-only host); "
                     "GPU/CPU layouts are planned by arithmetic. Exit status 0: it fits; 3: it does not fit.")
-    p.add_argument("--config", default="clover-35b-a3b", help="preset name or path to config.json")
+    p.add_argument("--config", "--model", dest="config", default="clover-35b-a3b",
+                   help="preset name, config.json path or checkpoint directory (a quantized one plans its weights)")
     p.add_argument("--mesh", required=True, help="mesh layout: a name from sharding/ (e.g. tpu-v5e-8) or a .toml path")
     p.add_argument("--batch", type=int, default=None, help="sequences per pass (default: the data-parallel size)")
     p.add_argument("--seq-len", type=int, default=None,
