@@ -145,7 +145,7 @@ def test_fp8_needs_fp8_hardware():
     quant.check_backend("fp8", [dev("cpu", "cpu")])
     quant.check_backend("fp8", [dev("gpu", "NVIDIA H100 80GB HBM3", "9.0")])
     quant.check_backend("int8", [dev("tpu", "TPU v5 lite")])
-    with pytest.raises(ConfigError, match=r"fp8 weights need .*A100.*compute capability 8.0.*int8"):
+    with pytest.raises(ConfigError, match=r"fp8 weights are for chips with fp8 .*A100.*compute capability 8.0.*int8"):
         quant.check_backend("fp8", [dev("gpu", "NVIDIA A100-SXM4-80GB", "8.0")])
     with pytest.raises(ConfigError, match="TPU v5 lite"):
         quant.check_backend("fp8", [dev("tpu", "TPU v5 lite")])
@@ -173,3 +173,23 @@ def test_plan_int8_fits_one_80gb_gpu_and_fp8_needs_fp8_units():
     with pytest.raises(PlanError, match=r"fp8 weights need fp8 matrix units.*TPU v5e"):
         make_plan(cfg.replace(quantization="fp8"), layouts.load_layout("tpu-v5e-4"), compile_tpu=False)
     assert make_plan(cfg.replace(quantization="fp8"), h100, seq_len=4096).fits
+
+
+def test_scales_are_split_as_their_qvalues_whatever_the_rules(devices):
+    """A rule table that shards a contracted axis and a later output axis over the same mesh axis: the weight
+    spends the mesh axis on its contracted dimension, and its scale must not take it for the later one."""
+    from clover_jax.mesh.rules import DEFAULT_RULES
+
+    cfg = get_config("test-qwen3-moe").replace(quantization="int8")
+    rules = DEFAULT_RULES.replace(embed="tensor", mlp="tensor", vocab="tensor")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]).reshape(1, 1, 2), ("data", "expert", "tensor"))
+    sh = params.weight_shardings(cfg, mesh, rules)
+    head = sh.lm_head  # [embed, vocab]: embed takes "tensor", so vocab does not
+    assert head.qvalue.spec == jax.sharding.PartitionSpec("tensor", None)
+    assert head.scale.spec == jax.sharding.PartitionSpec(None, None)
+
+
+def test_fp8_random_init_has_no_nan():
+    wide = params.ParamSpec((4096,), jnp.float8_e4m3fn, (None,), std=1000.0)  # mostly past e4m3's max of 448
+    q = np.asarray(params._init_leaf(wide, jax.random.key(0))).astype(np.float32)
+    assert np.isfinite(q).all() and np.abs(q).max() == 448.0  # clipped, not cast to NaN

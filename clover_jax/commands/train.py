@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from clover_jax.checkpoint import check_destination, load_model, save_model
+from clover_jax.checkpoint import check_destination, load_checkpoint_config, load_model, save_model
 from clover_jax.commands.model_card import model_card
 from clover_jax.config import load_config
 from clover_jax.errors import UsageError
@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     """Check every flag, the data and the mesh, then train (resuming from --out) and export."""
     # Everything that can be wrong with the input is checked here, before JAX compiles anything.
     cfg = load_config(args.config)
+    if cfg.quantization != "none":  # before any data is read or weights loaded
+        raise UsageError(f"--config {args.config} has {cfg.quantization} weights: training needs float weights "
+                         "(train the float model, then clover convert --quantize)")
     try:
         tc = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
@@ -127,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         n_train_tokens = int(train_data.loss_mask.sum())
     init_weights = None
     if args.init_from:
+        if load_checkpoint_config(args.init_from).quantization != "none":
+            raise UsageError(f"--init-from {args.init_from} holds quantized weights: training needs float weights")
         icfg, init_weights = load_model(args.init_from)
         if icfg.to_dict() != cfg.to_dict():
             raise UsageError(f"--init-from {args.init_from} holds config {icfg.name!r}, which differs from --config")

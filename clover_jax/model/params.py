@@ -281,6 +281,9 @@ def _init_leaf(spec: ParamSpec, key: Array) -> Array:
     x = spec.std * jax.random.normal(key, spec.shape, jnp.float32)
     if jnp.issubdtype(spec.dtype, jnp.integer):  # an int8 qvalue: rounded into range
         x = jnp.clip(jnp.round(x), -127, 127)
+    elif jnp.dtype(spec.dtype).itemsize == 1:  # an fp8 qvalue: e4m3 has no infinity, past its max is NaN
+        top = float(jnp.finfo(spec.dtype).max)
+        x = jnp.clip(x, -top, top)
     return x.astype(spec.dtype)
 
 
@@ -358,11 +361,25 @@ def _check_divides(name: str, spec: ParamSpec, pspec: PartitionSpec, mesh: Mesh)
 
 def weight_shardings(cfg_or_specs: ModelConfig | Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
     """NamedSharding per weight (a tree matching `abstract(cfg)`); raises ShardingError naming the
-    weight, axis and sizes of the first rule that does not divide its dimension."""
+    weight, axis and sizes of the first rule that does not divide its dimension.
+
+    A quantized weight's scale takes its qvalue's PartitionSpec with the size-1 (contracted) axes unsplit, so
+    the two are always split alike (resolving the scale's own logical axes could give a mesh axis that the
+    qvalue spends on a contracted dimension to a later one).
+    """
     specs = abstract(cfg_or_specs) if isinstance(cfg_or_specs, ModelConfig) else cfg_or_specs
     for name, spec in named_leaves(specs):
-        _check_divides(name, spec, logical_to_spec(spec.axes, rules, mesh), mesh)
-    return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes, rules, mesh)), specs, is_leaf=is_spec)
+        if not name.endswith(".scale"):
+            _check_divides(name, spec, logical_to_spec(spec.axes, rules, mesh), mesh)
+
+    def shard(s: Any) -> Any:
+        if not quant.is_quantized(s):
+            return NamedSharding(mesh, logical_to_spec(s.axes, rules, mesh))
+        ps = logical_to_spec(s.qvalue.axes, rules, mesh)
+        scale = PartitionSpec(*(None if n == 1 else p for n, p in zip(s.scale.shape, ps, strict=True)))
+        return quant.QArray(qvalue=NamedSharding(mesh, ps), scale=NamedSharding(mesh, scale), qtype=s.qtype)
+
+    return jax.tree.map(shard, specs, is_leaf=lambda x: is_spec(x) or quant.is_quantized(x))
 
 
 def quantize_weights(cfg: ModelConfig, weights: Weights, scheme: str) -> tuple[ModelConfig, Weights]:

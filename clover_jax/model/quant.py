@@ -157,11 +157,15 @@ def fp8_support(device: Any) -> tuple[bool, str]:
 
 
 def check_backend(scheme: str, devices: Any = None) -> None:
-    """ConfigError unless every device can run `scheme` weights (fp8 needs fp8 hardware; int8 runs anywhere)."""
+    """ConfigError unless `scheme` weights are offered on every device: int8 anywhere; fp8 on chips with fp8
+    matrix units and on CPU. A policy, not a limit of the code: the matmuls dequantize fp8 into the activations'
+    dtype on every backend (weight-only), so fp8 buys no fp8 compute today, and where the chip has no fp8 units
+    int8 is the same size and measured closer to bf16 (README, "Quantized weights")."""
     if scheme != "fp8":
         return
     for d in devices if devices is not None else jax.devices():
         ok, what = fp8_support(d)
         if not ok:
-            raise ConfigError(f"fp8 weights need a chip with fp8 matrix units (GPU compute capability 8.9+, "
-                              f"TPU v7); this is a {what}: use int8 weights instead (clover convert --quantize int8)")
+            raise ConfigError(f"fp8 weights are for chips with fp8 matrix units (GPU compute capability 8.9+, "
+                              f"TPU v7); this is a {what}: use int8 weights, the same size and closer to bf16 "
+                              "(clover convert --quantize int8)")
