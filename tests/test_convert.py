@@ -9,6 +9,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from clover_jax import checkpoint, model
 from clover_jax.cli import main
 from clover_jax.config import get_config
 from clover_jax.convert import FAMILIES, ConversionError, convert
+from clover_jax.model import params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 PRESETS = {"clover": "test-clover", "llada2_moe": "test-llada2", "llada_moe": "test-llada-moe",
@@ -44,6 +46,20 @@ def write_hf(path, tensors: dict, hf_cfg: dict, n_files: int = 2) -> None:
         weight_map.update(dict.fromkeys(part, name))
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def noisy_weights(cfg, scale: float = 0.1, seed: int = 0) -> params.Weights:
+    """numpy weights (no compile): each leaf's init value plus noise, norms and Gated DeltaNet decays well away
+    from theirs so that a mixed-up one shows, matrices large enough that the logits spread out."""
+    rng = np.random.default_rng(seed)
+    specs = params.abstract(cfg)
+    leaves = []
+    for name, s in params.named_leaves(specs):
+        last = name.rsplit(".", 1)[-1]
+        base = {"ones": 1.0, "zeros": 0.0, "constant": s.value}.get(s.init, 0.0)
+        std = 0.2 if last.endswith("norm") else 0.5 if last in ("a_log", "dt_bias", "conv") else scale
+        leaves.append(jnp.asarray((base + std * rng.standard_normal(s.shape)).astype(s.dtype)))
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=params.is_spec), leaves)
 
 
 def synthetic_tensors(cfg, layout: str, seed: int = 0, small_dtype=BF16, fused: bool = False, **variants) -> dict:

@@ -21,8 +21,8 @@ from clover_jax import checkpoint, model  # noqa: E402
 from clover_jax.commands.generate import model_sampler_defaults  # noqa: E402
 from clover_jax.config import get_config  # noqa: E402
 from clover_jax.convert import convert  # noqa: E402
-from clover_jax.model import params  # noqa: E402
 from clover_jax.tokenizer import load_tokenizer, train_sentencepiece  # noqa: E402
+from tests.test_convert import noisy_weights as weights  # noqa: E402
 from tests.test_tokenizer import corpus  # noqa: E402
 
 IDS = dict(vocab_size=320, mask_token_id=3, eos_token_id=2, pad_token_id=0)  # the trained tokenizer's ids
@@ -37,20 +37,6 @@ def tokenizer_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("tok") / "tokenizer")
     train_sentencepiece(corpus(), IDS["vocab_size"], out)
     return out
-
-
-def weights(cfg, scale: float, seed: int = 0) -> params.Weights:
-    """numpy weights (no compile): each leaf's init value plus noise, norms and Gated DeltaNet decays well away
-    from theirs so that a mixed-up one shows, matrices large enough that the logits spread out."""
-    rng = np.random.default_rng(seed)
-    specs = params.abstract(cfg)
-    leaves = []
-    for name, s in params.named_leaves(specs):
-        last = name.rsplit(".", 1)[-1]
-        base = {"ones": 1.0, "zeros": 0.0, "constant": s.value}.get(s.init, 0.0)
-        std = 0.2 if last.endswith("norm") else 0.5 if last in ("a_log", "dt_bias", "conv") else scale
-        leaves.append(jnp.asarray((base + std * rng.standard_normal(s.shape)).astype(s.dtype)))
-    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=params.is_spec), leaves)
 
 
 @pytest.fixture(scope="module", params=sorted(PRESETS))

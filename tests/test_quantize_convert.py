@@ -16,7 +16,7 @@ from clover_jax.config import get_config
 from clover_jax.convert import FAMILIES, ConversionError, convert, pipeline
 from clover_jax.convert import quantize as cq
 from clover_jax.model import params, quant
-from tests.test_convert import no_leftovers, read_dir, synthetic_tensors, write_hf
+from tests.test_convert import no_leftovers, noisy_weights, read_dir, synthetic_tensors, write_hf
 
 PRESETS = {"qwen3_moe": "test-qwen3-moe", "qwen3_5_moe": "test-qwen3-5-moe"}
 whole = jax.jit(quant.quantize, static_argnums=(1, 2))  # a whole tensor at once
@@ -29,19 +29,6 @@ def assert_same_bits(a: dict, b: dict) -> None:
         x, y = np.asarray(a[name]), np.asarray(b[name])
         assert (x.dtype, x.shape) == (y.dtype, y.shape), name
         np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=name)
-
-
-def float_weights(cfg, scale: float = 0.1, seed: int = 0) -> params.Weights:
-    """numpy weights (no compile): each leaf's init value plus noise; norms near theirs."""
-    rng = np.random.default_rng(seed)
-    specs = params.abstract(cfg)
-    leaves = []
-    for name, s in params.named_leaves(specs):
-        last = name.rsplit(".", 1)[-1]
-        base = {"ones": 1.0, "zeros": 0.0, "constant": s.value}.get(s.init, 0.0)
-        std = 0.2 if last.endswith("norm") else 0.5 if last in ("a_log", "dt_bias", "conv") else scale
-        leaves.append(jnp.asarray((base + std * rng.standard_normal(s.shape)).astype(s.dtype)))
-    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=params.is_spec), leaves)
 
 
 def hf_source(tmp_path, family: str):
@@ -77,7 +64,7 @@ def test_hf_import_int8_is_bit_exact_in_memory_quantization(tmp_path, monkeypatc
 def test_native_float_to_native_fp8_copies_the_rest(tmp_path):
     """The hybrid layout (Gated DeltaNet layers, Clover's block-diffusion tensors) from a native float checkpoint."""
     cfg = get_config("test-clover-hybrid", dtype="bfloat16")
-    w = float_weights(cfg)
+    w = noisy_weights(cfg)
     card = "# tiny\n"
     src = checkpoint.save_model(str(tmp_path / "float"), cfg, w, extra_files={"MODEL_CARD.md": card,
                                                                               "generation_config.json": "{}"})
@@ -101,7 +88,7 @@ def test_native_float_to_native_fp8_copies_the_rest(tmp_path):
 def test_quantized_leaves_read_each_float_chunk_once_while_it_can(monkeypatch, order, cache_bytes, reads_per_chunk):
     monkeypatch.setattr(cq, "SCALE_CACHE_BYTES", cache_bytes)
     cfg = get_config("test-qwen3-moe", dtype="bfloat16")
-    w = checkpoint.flatten_weights(float_weights(cfg))
+    w = checkpoint.flatten_weights(noisy_weights(cfg))
     specs = checkpoint.expected_leaves(cfg)
     reads: dict[tuple, int] = {}
 
@@ -146,7 +133,7 @@ def quantized_native(tmp_path_factory):
     """(float config, float weights, a native int8 checkpoint quantized from a native float one); read only."""
     work = tmp_path_factory.mktemp("quantized")
     cfg = get_config("test-qwen3-moe", dtype="float32")
-    w = float_weights(cfg, scale=0.2)
+    w = noisy_weights(cfg, scale=0.2)
     src = checkpoint.save_model(str(work / "float"), cfg, w)
     return cfg, w, convert(src, str(work / "int8"), progress=False, quantize="int8")
 

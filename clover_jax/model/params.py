@@ -376,8 +376,8 @@ def weight_shardings(cfg_or_specs: ModelConfig | Any, mesh: Mesh, rules: Shardin
         if not quant.is_quantized(s):
             return NamedSharding(mesh, logical_to_spec(s.axes, rules, mesh))
         ps = logical_to_spec(s.qvalue.axes, rules, mesh)
-        scale = PartitionSpec(*(None if n == 1 else p for n, p in zip(s.scale.shape, ps, strict=True)))
-        return quant.QArray(qvalue=NamedSharding(mesh, ps), scale=NamedSharding(mesh, scale), qtype=s.qtype)
+        scale = NamedSharding(mesh, quant.scale_spec(ps, s.scale.shape))
+        return quant.QArray(qvalue=NamedSharding(mesh, ps), scale=scale, qtype=s.qtype)
 
     return jax.tree.map(shard, specs, is_leaf=lambda x: is_spec(x) or quant.is_quantized(x))
 

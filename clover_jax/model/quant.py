@@ -122,14 +122,17 @@ def index(w: Any, i: Any) -> Any:
     return jax.tree.map(lambda a: a[i], w)
 
 
+def scale_spec(pspec: Any, scale_shape: tuple[int, ...]) -> jax.sharding.PartitionSpec:
+    """The PartitionSpec of a scale from its qvalue's: split alike, its size-1 (contracted) axes unsplit."""
+    parts = tuple(pspec) + (None,) * (len(scale_shape) - len(pspec))
+    return jax.sharding.PartitionSpec(*(None if n == 1 else p for n, p in zip(scale_shape, parts, strict=True)))
+
+
 def leaf_spec(pspec: Any, w: Any) -> Any:
-    """A shard_map / device_put spec for `w` from the weight's PartitionSpec: for a QArray, the scale's
-    size-1 (contracted) axes are not split."""
+    """A shard_map spec for `w` from the weight's PartitionSpec: for a QArray, one for qvalue and scale."""
     if not is_quantized(w):
         return pspec
-    parts = tuple(pspec) + (None,) * (w.scale.ndim - len(pspec))
-    scale = jax.sharding.PartitionSpec(*(None if n == 1 else p for n, p in zip(w.scale.shape, parts, strict=True)))
-    return QArray(qvalue=pspec, scale=scale, qtype=w.qtype)
+    return QArray(qvalue=pspec, scale=scale_spec(pspec, w.scale.shape), qtype=w.qtype)
 
 
 # ---- backends ---------------------------------------------------------------------------------------
