@@ -128,8 +128,10 @@ def test_sft_training_runs_and_scores_only_responses(tmp_path) -> None:
     enc = lambda s: [ord(c) for c in s]
     tr, ev = PairDataset(str(path), enc, 16, 1, 0, 0).split(0.1)
     tc = TrainConfig(steps=8, batch_size=8, seq_len=16, lr=5e-3, warmup_steps=2)
-    res = train(CFG, tc, tr, ev, progress=False)
+    seen: list[tuple[int, float]] = []
+    res = train(CFG, tc, tr, ev, progress=False, on_step=lambda step, m: seen.append((step, m["loss"])))
     assert np.isfinite(res.losses).all() and np.mean(res.losses[-3:]) < np.mean(res.losses[:3])
+    assert seen == list(zip(range(1, 9), res.losses, strict=True))  # on_step: every step, its own metrics
 
 
 def test_moe_aux_losses() -> None:

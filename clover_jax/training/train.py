@@ -316,6 +316,7 @@ def train(
     log: Callable[[str], None] | None = None,
     init_weights: Any = None,
     eval_at_end: bool = True,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult:
     """Train from scratch or resume from the latest checkpoint in `ckpt_dir`.
 
@@ -323,6 +324,8 @@ def train(
     mesh: train data-parallel / sharded on this mesh (weights in `params.weight_shardings` of it).
     stop_at: stop (and checkpoint) after this global step, as an interruption would.
     eval_at_end: evaluate after the last step (off when the caller runs its own final evaluation).
+    on_step: called after every step with the global step number (1-based) and that step's metrics as
+    floats (`loss`, `diffusion_loss`, ..., the same names the log prints), e.g. to draw a live loss curve.
     Start-up (initialisation, restore, the first step's compile) is announced through `log`.
     """
     if cfg.quantization != "none":
@@ -419,6 +422,8 @@ def train(
             n_tok = int(b.valid.sum())
             tokens_seen += n_tok
             hist.append(m["loss"])
+            if on_step is not None:
+                on_step(step, m)
             if bar is not None:
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{n_tok / dt:.0f}")
                 bar.update(1)
