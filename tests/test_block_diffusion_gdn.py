@@ -4,6 +4,8 @@ gradients), the tiled in-block softmax across many tiles, block causality and in
 through the whole model, the commit contract of the cache, and block-diffusion training's two streams
 against running each block behind its clean prefix."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from clover_jax.config import get_config
 from clover_jax.errors import ConfigError
 from clover_jax.model import gated_deltanet as gdn
-from clover_jax.model import layers, params, transformer
+from clover_jax.model import params, transformer
 from clover_jax.training import losses
 
 CFG = get_config("test-clover-hybrid")  # blocks of 8, 2 key / 4 value heads, right conv of 3 taps
@@ -20,65 +22,71 @@ mixer = jax.jit(gdn.mixer, static_argnums=2, static_argnames=("two_stream",))
 apply = jax.jit(transformer.apply, static_argnums=1)
 
 
-def _noisy(tree, key, scale):
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([a + scale * jax.random.normal(k, a.shape, a.dtype)
-                              for a, k in zip(leaves, keys, strict=True)])
+def _noisy(tree, seed, scale):
+    """tree + scale * N(0, 1) noise, drawn with numpy (no XLA compile per leaf shape)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: a + jnp.asarray(scale * rng.standard_normal(a.shape), a.dtype), tree)
 
 
 def _mixer_weights(seed: int = 0) -> gdn.GatedDeltaNetWeights:
     """One Gated DeltaNet layer's weights with every block-diffusion tensor far from its initial value."""
     w = jax.tree.map(lambda a: a[0], params.init(CFG, jax.random.key(seed)).linear_layers.attn)
-    w = _noisy(w, jax.random.key(seed + 1), 0.3)
+    w = _noisy(w, seed + 1, 0.3)
     return w.replace(bd_logit_scale=jnp.abs(w.bd_logit_scale) * 4 + 1, a_log=w.a_log - 1.0)
 
 
+def _silu(a):
+    return a / (1 + np.exp(-a))
+
+
 def _direct(x, w, blocks):
-    """The definition, one position at a time (B = 1): causal conv + in-block right conv, SiLU, heads; the
-    delta rule's state before each position; per position the history read-out of the state at its block's
-    start, mixed into a softmax over its block's positions and one history slot."""
+    """The definition, one position at a time, in float64 numpy (x [T, D]; w a dict of numpy arrays): causal
+    conv + in-block right conv, SiLU, heads; the delta rule's state before each position; per position the
+    history read-out of the state at its block's start, mixed into a softmax over its block's positions and
+    one history slot; then the gated RMSNorm and the output projection."""
     c = CFG
     hk, dk, hv, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim
-    t_len = x.shape[1]
-    proj = x[0] @ w.qkv  # [T, C]
+    t_len = x.shape[0]
+    proj = x @ w["qkv"]  # [T, C]
     blocks = [int(b) for b in blocks]
+    k_left, k_right = w["conv"].shape[0], w["conv_right"].shape[0]
     rows = []
     for t in range(t_len):
-        y = sum(w.conv[j] * proj[t - (w.conv.shape[0] - 1) + j] for j in range(w.conv.shape[0])
-                if t - (w.conv.shape[0] - 1) + j >= 0)
-        y = y + sum(w.conv_right[j] * proj[t + j] for j in range(w.conv_right.shape[0])
+        y = sum(w["conv"][j] * proj[t - (k_left - 1) + j] for j in range(k_left) if t - (k_left - 1) + j >= 0)
+        y = y + sum(w["conv_right"][j] * proj[t + j] for j in range(k_right)
                     if t + j < t_len and blocks[t + j] == blocks[t])
-        rows.append(jax.nn.silu(y))
-    mixed = jnp.stack(rows)
+        rows.append(_silu(y))
+    mixed = np.stack(rows)
     rep = hv // hk
 
     def unit(a):
-        return a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)
+        return a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)
 
-    q = jnp.repeat(unit(mixed[:, :hk * dk].reshape(t_len, hk, dk)), rep, axis=1)
-    k = jnp.repeat(unit(mixed[:, hk * dk:2 * hk * dk].reshape(t_len, hk, dk)), rep, axis=1)
+    q = np.repeat(unit(mixed[:, :hk * dk].reshape(t_len, hk, dk)), rep, axis=1)
+    k = np.repeat(unit(mixed[:, hk * dk:2 * hk * dk].reshape(t_len, hk, dk)), rep, axis=1)
     v = mixed[:, 2 * hk * dk:].reshape(t_len, hv, dv)
-    beta = jax.nn.sigmoid(x[0] @ w.b)
-    g = -jnp.exp(w.a_log) * jax.nn.softplus(x[0] @ w.a + w.dt_bias)
-    s = jnp.zeros((hv, dk, dv))
+    beta = 1 / (1 + np.exp(-(x @ w["b"])))
+    g = -np.exp(w["a_log"]) * np.log1p(np.exp(x @ w["a"] + w["dt_bias"]))
+    s = np.zeros((hv, dk, dv))
     before = []
     for t in range(t_len):
         before.append(s)
-        s = jnp.exp(g[t])[:, None, None] * s
-        s = s + beta[t][:, None, None] * k[t][:, :, None] * (v[t] - jnp.einsum("hkv,hk->hv", s, k[t]))[:, None, :]
+        s = np.exp(g[t])[:, None, None] * s
+        s = s + beta[t][:, None, None] * k[t][:, :, None] * (v[t] - np.einsum("hkv,hk->hv", s, k[t]))[:, None, :]
     outs = []
     for t in range(t_len):
         start = blocks.index(blocks[t])
-        hist = jnp.einsum("hkv,hk->hv", before[start], q[t] / jnp.sqrt(dk))
-        members = jnp.array([j for j in range(t_len) if blocks[j] == blocks[t]])
-        logits = w.bd_logit_scale[:, None] * jnp.einsum("hk,nhk->hn", q[t], k[members])  # [H, n]
-        p = jax.nn.softmax(jnp.concatenate([w.bd_history_bias[:, None], logits], -1), -1)
-        o = p[:, :1] * w.bd_history_c[:, None] * hist + jnp.einsum("hn,nhd->hd", p[:, 1:], v[members])
-        outs.append(o)
-    o = jnp.stack(outs)[None]
-    z = jnp.einsum("btd,dhk->bthk", x, w.z)
-    return jnp.einsum("bthk,hkd->btd", layers.rms_norm_gated(o, z, w.norm, c.norm_eps), w.out)
+        hist = np.einsum("hkv,hk->hv", before[start], q[t] / np.sqrt(dk))
+        members = [j for j in range(t_len) if blocks[j] == blocks[t]]
+        logits = np.concatenate([w["bd_history_bias"][:, None],
+                                 w["bd_logit_scale"][:, None] * np.einsum("hk,nhk->hn", q[t], k[members])], -1)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p = p / p.sum(-1, keepdims=True)
+        outs.append(p[:, :1] * w["bd_history_c"][:, None] * hist + np.einsum("hn,nhd->hd", p[:, 1:], v[members]))
+    o = np.stack(outs)  # [T, Hv, dv]
+    z = np.einsum("td,dhk->thk", x, w["z"])
+    normed = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + c.norm_eps) * w["norm"] * _silu(z)
+    return np.einsum("thk,hkd->td", normed, w["out"])
 
 
 # Blocks of uneven length (a prompt's partial block, then generated blocks), spanning several tiles.
@@ -86,22 +94,31 @@ BLOCKS = np.array([0] * 5 + [1] * 8 + [2] * 8 + [9] * 3)
 
 
 def test_mixer_matches_the_direct_computation_and_its_gradients():
+    """Values against the float64 definition; gradients against its central differences along random
+    directions (two per tensor), for every tensor the block-diffusion reading adds and the ones it reads."""
     w = _mixer_weights()
     x = jax.random.normal(jax.random.key(5), (1, len(BLOCKS), CFG.d_model))
     blocks = jnp.asarray(BLOCKS)[None]
     y, _ = mixer(x, w, CFG, blocks=blocks)
-    direct = jax.jit(lambda x_, w_: _direct(x_, w_, BLOCKS))
-    ref = direct(x, w)
-    assert float(jnp.abs(ref).max()) > 0.1
-    np.testing.assert_allclose(y, ref, atol=2e-5, rtol=2e-5)
+    x64 = np.asarray(x[0], np.float64)
+    w64 = {f.name: np.asarray(getattr(w, f.name), np.float64) for f in dataclasses.fields(w)}
+    ref = _direct(x64, w64, BLOCKS)
+    assert float(np.abs(ref).max()) > 0.1
+    np.testing.assert_allclose(np.asarray(y[0]), ref, atol=2e-5, rtol=2e-5)
 
-    r = jax.random.normal(jax.random.key(6), y.shape)
-    g_ours = jax.jit(jax.grad(lambda w_: jnp.sum(mixer(x, w_, CFG, blocks=blocks)[0] * r)))(w)
-    g_ref = jax.jit(jax.grad(lambda w_: jnp.sum(_direct(x, w_, BLOCKS) * r)))(w)
+    rng = np.random.default_rng(6)
+    r = rng.standard_normal(ref.shape)
+    grads = jax.jit(jax.grad(lambda w_: jnp.sum(mixer(x, w_, CFG, blocks=blocks)[0][0] * r)))(w)
+    eps = 1e-5
     for name in ("conv_right", "bd_logit_scale", "bd_history_bias", "bd_history_c", "qkv", "conv", "a_log", "b"):
-        a, b = getattr(g_ours, name), getattr(g_ref, name)
-        assert float(jnp.abs(b).max()) > 1e-4, name  # the tensor really shapes the output
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=name)
+        for _ in range(2):
+            d = rng.standard_normal(w64[name].shape)
+            plus, minus = dict(w64), dict(w64)
+            plus[name], minus[name] = w64[name] + eps * d, w64[name] - eps * d
+            numeric = float(np.sum((_direct(x64, plus, BLOCKS) - _direct(x64, minus, BLOCKS)) * r)) / (2 * eps)
+            ours = float(np.sum(np.asarray(getattr(grads, name), np.float64) * d))
+            assert abs(numeric) > 1e-4, name  # the tensor really shapes the output
+            assert ours == pytest.approx(numeric, rel=2e-3, abs=1e-6), name
 
 
 def test_inblock_attention_tiles_equal_one_dense_softmax():
@@ -130,7 +147,7 @@ def test_inblock_attention_tiles_equal_one_dense_softmax():
 def _model(bd: str = "reconstructed", seed: int = 0):
     cfg = CFG.replace(bd_gdn=bd)
     w = params.init(cfg, jax.random.key(seed))
-    return cfg, _noisy(w, jax.random.key(seed + 1), 0.1)
+    return cfg, _noisy(w, seed + 1, 0.1)
 
 
 def test_block_causal_across_blocks_bidirectional_inside():

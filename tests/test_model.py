@@ -131,3 +131,21 @@ def test_remat_and_layer_stack_paths_agree() -> None:
     for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5 * (float(jnp.max(jnp.abs(y))) + 1e-12), rtol=1e-4)
     assert float(jnp.max(jnp.abs(ga.moe_layers.mlp.down))) > 0
+
+
+def test_initial_weights_are_standard_normal_draws() -> None:
+    """params.standard_normal (the initialiser's counter-based draw): N(0, 1) moments and tails, no correlation
+    between neighbours or between keys, a different stream per shape, and the std / dtype of each ParamSpec."""
+    from clover_jax.model.params import standard_normal
+
+    x = np.asarray(jax.jit(lambda k: standard_normal(k, (1000, 1000)))(jax.random.key(0)), np.float64)
+    assert abs(x.mean()) < 5e-3 and abs(x.std() - 1) < 5e-3
+    assert abs(np.mean(np.abs(x) > 2) - 0.0455) < 2e-3 and abs(np.mean(np.abs(x) > 3) - 0.0027) < 5e-4
+    for a, b in ((x[:, :-1], x[:, 1:]), (x[:-1], x[1:])):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 5e-3
+    y = np.asarray(standard_normal(jax.random.key(1), (1000, 1000)))
+    assert abs(np.corrcoef(x.ravel(), y.ravel())[0, 1]) < 5e-3
+    assert not np.array_equal(np.asarray(standard_normal(jax.random.key(0), (1000, 1000, 1)))[..., 0], x)
+    w = _weights(CLOVER)
+    emb = np.asarray(w.embed)
+    assert emb.dtype == np.float32 and abs(emb.std() - CLOVER.init_std) < 0.05 * CLOVER.init_std

@@ -121,8 +121,10 @@ def test_weights_created_straight_into_shardings(devices):
     shapes = {s.data.shape for s in gate.addressable_shards}
     assert shapes == {(cfg.n_moe_layers, cfg.n_experts // 4, cfg.d_model, cfg.expert_mlp_dim)}
     wanted = dict(params.named_leaves(shardings))
+    one = dict(params.named_leaves(params.init(cfg, jax.random.key(0))))
     for name, leaf in params.named_leaves(w):
         assert leaf.sharding == wanted[name], name
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(one[name]), err_msg=name)  # same values, any layout
 
 
 def test_constrain_is_a_no_op_without_a_mesh_and_shards_on_one(devices):
