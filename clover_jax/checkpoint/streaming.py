@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from absl import logging as absl_logging
 from orbax.checkpoint import type_handlers as th
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
@@ -109,7 +110,14 @@ def save_streaming(path: str, cfg: ModelConfig, leaves: Mapping[str, LazyLeaf], 
     global _HANDLER_REGISTERED
     check_leaves(cfg, {n: (a.shape, a.dtype) for n, a in leaves.items()}, "the weights being saved")
     if not _HANDLER_REGISTERED:
-        th.register_type_handler(LazyLeaf, _lazy_handler(), override=True)
+        # A LazyLeaf is written as the array it streams (the typestr of Orbax's array handler): an intended
+        # override, registered once per process, without Orbax's warning about the collision.
+        before = absl_logging.get_verbosity()
+        absl_logging.set_verbosity(absl_logging.ERROR)
+        try:
+            th.register_type_handler(LazyLeaf, _lazy_handler(), override=True)
+        finally:
+            absl_logging.set_verbosity(before)
         _HANDLER_REGISTERED = True
     with atomic_directory(path, force) as tmp:
         write_metadata_files(tmp, cfg, tokenizer_dir, extra_files)
