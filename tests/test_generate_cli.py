@@ -32,6 +32,13 @@ def test_one_prompt_with_show(capsys):
     assert out.endswith("\n")
 
 
+def test_python_dash_m_runs_the_clover_command():
+    from clover_jax.version import __version__
+
+    run = subprocess.run([sys.executable, "-m", "clover_jax", "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and __version__ in run.stdout + run.stderr, run
+
+
 def test_bad_input_is_one_line_before_loading(capsys, tmp_path):
     assert cli.main(["generate", "x", *FLAGS, "--gen-length", "12"]) == 2
     assert "multiple of block_length" in capsys.readouterr().err
