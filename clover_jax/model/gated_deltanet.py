@@ -21,6 +21,7 @@ no-ops for the state (no decay, no write); `causal_conv` keeps the last valid in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -335,8 +336,9 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
     Returns [B, T, Hv, dv] float32.
     """
     b, t, hv, dv = v.shape
+    hk = q.shape[2]
+    rep = hv // hk
     f32 = jnp.float32
-    q, k = _group_keys(q.astype(f32), k.astype(f32), hv)
     n = -(-t // span)
     pad = n * span - t
 
@@ -345,21 +347,34 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
         return a.reshape(b, n, span, *a.shape[2:])
 
     def neighbours(a: Array, fill: Any = 0) -> Array:  # [B, n, span, ...] -> [B, n, 3 span, ...]: tiles i-1, i, i+1
+        if n == 1:  # one tile (a refinement pass over one block): its neighbours would be all padding
+            return a
         edge = jnp.full_like(a[:, :1], fill)
         prev = jnp.concatenate([edge, a[:, :-1]], axis=1)
         nxt = jnp.concatenate([a[:, 1:], edge], axis=1)
         return jnp.concatenate([prev, a, nxt], axis=2)
 
-    qt, bq = tiles(q), tiles(blocks, -1)
-    kt, vt = neighbours(tiles(k)), neighbours(tiles(v.astype(f32)))
+    qt, bq = tiles(q.astype(f32)), tiles(blocks, -1)
+    kt, vt = neighbours(tiles(k.astype(f32))), neighbours(tiles(v.astype(f32)))
     bk, ok = neighbours(tiles(blocks, -1), -1), neighbours(tiles(valid, False), False)
-    logits = jnp.einsum("bnqhd,bnkhd->bnhqk", qt, kt) * w.bd_logit_scale.astype(f32)[:, None, None]
-    see = (bq[:, :, :, None] == bk[:, :, None, :]) & ok[:, :, None, :]  # [B, n, span, 3 span]
-    logits = jnp.where(see[:, :, None], logits, -jnp.inf)
-    hist_logit = jnp.broadcast_to(w.bd_history_bias.astype(f32)[:, None, None], (b, n, hv, span, 1))
-    p = jax.nn.softmax(jnp.concatenate([hist_logit, logits], axis=-1), axis=-1)
-    o = jnp.einsum("bnhqk,bnkhd->bnqhd", p[..., 1:], vt)
-    o = o + jnp.moveaxis(p[..., 0], 2, 3)[..., None] * w.bd_history_c.astype(f32)[:, None] * tiles(hist.astype(f32))
+    # Scores per key head (value heads j*rep .. j*rep+rep-1 share key head j), scaled per value head.
+    cos = jnp.einsum("bnqgd,bnkgd->bngqk", qt, kt)  # [B, n, Hk, span, K]
+    scale = w.bd_logit_scale.astype(f32).reshape(hk, rep)
+    logits = cos[:, :, :, None] * scale[:, :, None, None]  # [B, n, Hk, rep, span, K]
+    see = (bq[:, :, :, None] == bk[:, :, None, :]) & ok[:, :, None, :]  # [B, n, span, K]
+    logits = jnp.where(see[:, :, None, None], logits, -jnp.inf)
+    # The softmax over [history slot | the block's keys] without concatenating them: the history logit
+    # is finite, so every row has a finite maximum (padding queries see only the history slot).
+    hist_logit = w.bd_history_bias.astype(f32).reshape(hk, rep)[:, :, None, None]  # [Hk, rep, 1, 1]
+    top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), hist_logit)
+    e = jnp.exp(logits - top)
+    e_hist = jnp.exp(hist_logit - top)  # [B, n, Hk, rep, span, 1]
+    inv = 1.0 / (jnp.sum(e, axis=-1, keepdims=True) + e_hist)
+    vt = vt.reshape(b, n, vt.shape[2], hk, rep, dv)
+    o = jnp.einsum("bngrqk,bnkgrd->bnqgrd", e * inv, vt)
+    p_hist = jnp.moveaxis((e_hist * inv)[..., 0], 4, 2)  # [B, n, span, Hk, rep]
+    c = w.bd_history_c.astype(f32).reshape(hk, rep)
+    o = o + (p_hist * c)[..., None] * tiles(hist.astype(f32)).reshape(b, n, span, hk, rep, dv)
     return o.reshape(b, n * span, hv, dv)[:, :t]
 
 
@@ -368,15 +383,39 @@ def initial_shape(cfg: ModelConfig) -> tuple[int, int, int]:
     return cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
 
-def _heads(mixed: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None) -> Stream:
-    """q, k (L2-normalised), v, g, beta of the conv output `mixed` (before SiLU) and the layer input x."""
+def _groups(cfg: ModelConfig) -> tuple[slice, slice, slice]:
+    """The conv channels of q, k and v: [queries | keys | values]."""
+    qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return slice(0, qk), slice(qk, 2 * qk), slice(2 * qk, None)
+
+
+def _by_group(conv: Callable[..., Array], proj: Array, weight: Array, cfg: ModelConfig, *rest: Any) -> list[Array]:
+    """`conv(proj, weight, *rest)` on the q, k and v channels one group at a time: XLA recomputes an elementwise
+    producer inside each of its consumers, so a conv over all channels was recomputed whole in every consumer of
+    q, k or v (on the CPU the largest cost of a block-diffusion refinement pass); per group, each consumer
+    recomputes only its own channels."""
+    return [conv(proj[..., g], weight[:, g], *rest) for g in _groups(cfg)]
+
+
+def _causal_by_group(proj: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, tail: Array | None, valid: Array,
+                     keep: Array | None = None) -> tuple[list[Array], Array]:
+    """`causal_conv` per channel group: ([q, k, v] conv outputs, the conv tail of all channels)."""
+    outs, tails = [], []
+    for g in _groups(cfg):
+        y, tl = causal_conv(proj[..., g], w.conv[:, g], None if tail is None else tail[..., g], valid, keep)
+        outs.append(y)
+        tails.append(tl)
+    return outs, jnp.concatenate(tails, axis=-1)
+
+
+def _heads(mixed: list[Array], x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None) -> Stream:
+    """q, k (L2-normalised), v, g, beta of the conv outputs [q, k, v channels] (before SiLU) and the layer
+    input x."""
     b, t, _ = x.shape
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    mixed = jax.nn.silu(mixed)
-    q = mixed[..., :hk * dk].reshape(b, t, hk, dk)
-    k = mixed[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
-    v = mixed[..., 2 * hk * dk:].reshape(b, t, hv, dv)
+    q, k, v = (jax.nn.silu(m) for m in mixed)
+    q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
     f32 = jnp.float32
     beta = jax.nn.sigmoid(quant.matmul(x, w.b).astype(f32))
     g = -jnp.exp(w.a_log.astype(f32)) * jax.nn.softplus(quant.matmul(x, w.a).astype(f32) + w.dt_bias.astype(f32))
@@ -424,9 +463,10 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
         return _two_stream(x, w, cfg, valid, blocks)
     proj = quant.matmul(x, w.qkv)
     keep = None if commit is None else valid & (jnp.arange(x.shape[1])[None] < commit)
-    mixed, tail = causal_conv(proj, w.conv, None if state is None else state.conv_tail, valid, keep)
+    mixed, tail = _causal_by_group(proj, w, cfg, None if state is None else state.conv_tail, valid, keep)
     if bd:
-        mixed = mixed + right_conv(proj, w.conv_right, blocks, valid)
+        right = _by_group(right_conv, proj, w.conv_right, cfg, blocks, valid)
+        mixed = [m + r for m, r in zip(mixed, right, strict=True)]
     st = _heads(mixed, x, w, cfg, valid)
     initial = None if state is None else state.recurrent
     if not bd and commit is None:
@@ -453,11 +493,12 @@ def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Arra
     xn, xc = x[:, :seq], x[:, seq:]
     valid, blocks = valid[:, seq:], blocks[:, seq:]
     pn, pc = quant.matmul(xn, w.qkv), quant.matmul(xc, w.qkv)
-    mixed_c, tail = causal_conv(pc, w.conv, None, valid)
-    mixed_n = two_stream_conv(pn, pc, w.conv, blocks)
+    mixed_c, tail = _causal_by_group(pc, w, cfg, None, valid)
+    mixed_n = [two_stream_conv(pn[..., g], pc[..., g], w.conv[:, g], blocks) for g in _groups(cfg)]
     if bd:
-        mixed_c = mixed_c + right_conv(pc, w.conv_right, blocks, valid)
-        mixed_n = mixed_n + right_conv(pn, w.conv_right, blocks, valid)
+        right_c, right_n = (_by_group(right_conv, p, w.conv_right, cfg, blocks, valid) for p in (pc, pn))
+        mixed_c = [m + r for m, r in zip(mixed_c, right_c, strict=True)]
+        mixed_n = [m + r for m, r in zip(mixed_n, right_n, strict=True)]
     clean, noisy = _heads(mixed_c, xc, w, cfg, valid), _heads(mixed_n, xn, w, cfg, valid)
     oc, on, recurrent = delta_rule_blocks(clean, blocks, valid, history=bd, noisy=noisy)
     if bd:
