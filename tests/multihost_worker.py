@@ -15,7 +15,10 @@ import sys
 
 if __name__ == "__main__":  # only the worker process: the test imports this module for its inputs
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # 4 devices per process; the other flags are the test process's (its code generation level, which the
+    # single-process reference is compiled with)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=4"])
 
 import jax
 import numpy as np
