@@ -107,10 +107,17 @@ def test_sft_masks_only_the_response(tmp_path) -> None:
     path = tmp_path / "sft.jsonl"
     path.write_text('{"prompt": "ab", "response": "cde"}\n\n{"prompt": "x", "response": "y"}\n')
     enc = lambda s: [ord(c) for c in s]
-    ds = PairDataset(str(path), enc, seq_len=8, eos_id=1, pad_id=0, seed=0)
+    ds = PairDataset(str(path), enc, seq_len=8, eos_id=1, pad_id=0, seed=0, eos_padding=False)
     np.testing.assert_array_equal(ds.tokens[0], [97, 98, 99, 100, 101, 1, 0, 0])
     np.testing.assert_array_equal(ds.loss_mask[0], [0, 0, 1, 1, 1, 1, 0, 0])
     np.testing.assert_array_equal(ds.valid[1], [1, 1, 1, 0, 0, 0, 0, 0])
+    # the default (LLaDA's recipe): the row continues with end tokens, valid and scored like the response
+    filled = PairDataset(str(path), enc, seq_len=8, eos_id=1, pad_id=0, seed=0)
+    np.testing.assert_array_equal(filled.tokens[1], [120, 121, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(filled.loss_mask[1], [0, 1, 1, 1, 1, 1, 1, 1])
+    assert filled.valid.all()
+    no_eos = PairDataset(str(path), enc, seq_len=8, eos_id=None, pad_id=0, seed=0)  # nothing to fill with
+    np.testing.assert_array_equal(no_eos.valid[1], [1, 1, 0, 0, 0, 0, 0, 0])
     tok, lm = jnp.asarray(ds.tokens), jnp.asarray(ds.loss_mask)
     noisy, masked = losses.corrupt(jax.random.PRNGKey(0), tok, lm, jnp.ones(tok.shape), 255)
     np.testing.assert_array_equal(np.asarray(masked), ds.loss_mask)  # t=1: every response token, nothing else

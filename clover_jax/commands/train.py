@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="UTF-8 text file for pretraining (random windows of --seq-len tokens)")
     src.add_argument("--sft", help='jsonl of {"prompt": ..., "response": ...}: loss on the response only')
+    p.add_argument("--no-eos-padding", action="store_true",
+                   help="--sft: end rows in invisible padding instead of scored end tokens (LLaDA's recipe, default)")
     p.add_argument("--tokenizer", default=None,
                    help="directory with tokenizer.model / tokenizer.json (default: byte-level, vocab >= 260)")
     p.add_argument("--holdout", type=float, default=0.05, help="last fraction of the data kept for eval")
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         n_train_tokens = len(train_ids)
     else:
         eos = cfg.eos_token_id
-        full = PairDataset(args.sft, tok.encode, tc.seq_len, eos, cfg.filler_id, tc.seed)
+        full = PairDataset(args.sft, tok.encode, tc.seq_len, eos, cfg.filler_id, tc.seed,
+                           eos_padding=not args.no_eos_padding)
         train_data, eval_data = full.split(args.holdout)
         n_train_tokens = int(train_data.loss_mask.sum())
     init_weights = None

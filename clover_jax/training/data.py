@@ -67,13 +67,19 @@ class TokenStream:
 
 
 class PairDataset:
-    """SFT examples from jsonl lines {"prompt": str, "response": str}: [prompt | response eos | pad].
+    """SFT examples from jsonl lines {"prompt": str, "response": str}: [prompt | response eos | eos ... eos].
 
-    Only response tokens (and its eos) are masked and scored; the prompt stays clean as context.
-    `eos_id` None (a model without an end token): responses end without one.
+    Only response tokens (and what follows them) are masked and scored; the prompt stays clean as context.
+    eos_padding (LLaDA's SFT recipe, the default): the row is filled to `seq_len` with end tokens that are
+    scored like the response, so the model learns to close the canvas after an answer (the sampler shows it a
+    whole canvas of masks after the prompt and commits whichever slot it is surest of, so a model that only ever
+    saw invisible padding after answers writes answer words into the slots after them too). Off: the row ends in
+    invisible padding (`pad_id`, valid False, unscored). `eos_id` None (a model without an end token): responses
+    end without one and rows are padded.
     """
 
-    def __init__(self, path: str, encode, seq_len: int, eos_id: int | None, pad_id: int, seed: int):
+    def __init__(self, path: str, encode, seq_len: int, eos_id: int | None, pad_id: int, seed: int,
+                 eos_padding: bool = True):
         if not os.path.isfile(path):
             raise DataError(f"SFT data {path!r} does not exist")
         rows, n_cut = [], 0
@@ -103,10 +109,13 @@ class PairDataset:
         self.tokens = np.full((n, seq_len), pad_id, np.int32)
         self.valid = np.zeros((n, seq_len), bool)
         self.loss_mask = np.zeros((n, seq_len), bool)
+        fill = eos_padding and eos_id is not None
         for i, (p, r) in enumerate(rows):
+            end = seq_len if fill else len(p) + len(r)
             self.tokens[i, : len(p) + len(r)] = p + r
-            self.valid[i, : len(p) + len(r)] = True
-            self.loss_mask[i, len(p): len(p) + len(r)] = True
+            self.tokens[i, len(p) + len(r): end] = eos_id if fill else pad_id
+            self.valid[i, :end] = True
+            self.loss_mask[i, len(p): end] = True
         self.seed = seed
 
     def __len__(self) -> int:
