@@ -349,7 +349,9 @@ def test_n_choices_and_seeds(client, engine):
 
 
 def test_stop_string_spanning_blocks(client, engine):
-    # blocks of 4: "abcd" | "efgh"; "def" spans them
+    # blocks of 4: "abcd" | "efgh"; "def" spans them. The pause between blocks keeps the fake engine
+    # from running all 8 blocks to "length" before the server's cancel reaches it.
+    engine.delay = 0.2
     r = complete(client, prompt="abcdefgh", max_tokens=32, stop="def")
     choice = r.json()["choices"][0]
     assert choice["text"] == "abc" and choice["finish_reason"] == "stop"
