@@ -72,8 +72,11 @@ def one_request(client: object, prompt: str, max_tokens: int) -> tuple[float, fl
     """(latency s, time to first block s, completion tokens) of one streaming completion."""
     t0 = time.perf_counter()
     first, tokens = None, 0
+    # greedy, most confident first: what the engine and `generate` sides run (the server's defaults
+    # come from the checkpoint's generation_config.json, which samples)
     stream = client.completions.create(model=MODEL[0], prompt=prompt, max_tokens=max_tokens, stream=True,
-                                       stream_options={"include_usage": True})
+                                       temperature=0.0, stream_options={"include_usage": True},
+                                       extra_body={"diffusion": {"remasking": "low_confidence"}})
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text and first is None:
             first = time.perf_counter() - t0

@@ -63,7 +63,7 @@ def alone_run(weights, cfg, prompt: list[int], req: Request):
     n_blocks = -(-req.max_tokens // L)
     steps = (req.steps or L) * n_blocks
     sc = SamplerConfig(gen_length=n_blocks * L, block_length=L, steps=steps, threshold=req.threshold,
-                       temperature=req.temperature, seed=req.seed, cache="prefix")
+                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, cache="prefix")
     return generate(weights, cfg, [prompt], sc)
 
 
@@ -127,19 +127,26 @@ def test_mixed_requests_equal_each_run_alone(shipped_engine):
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
+    # A batch picks its sampling program from its rows (greedy / unfiltered draws / top-k, top-p
+    # filters): a row's tokens must not depend on which one its batch mates made it run.
     eng, tok, _ = shipped_engine
     req = Request(tuple(tok.encode("ROMEO:")), 40, temperature=0.9, seed=1234)
+    nucleus = Request(tuple(tok.encode("KING:")), 40, temperature=0.9, top_p=0.8, top_k=40, seed=5)
     col = Collector()
-    eng.submit(req, col.sink(0))
-    col.wait([0])
+    for i, r in enumerate([req, nucleus, dataclasses.replace(nucleus, top_p=1.0, top_k=0)]):
+        eng.submit(r, col.sink(i if i < 2 else 12))
+        col.wait([i if i < 2 else 12])
+    assert col.tokens(1) != col.tokens(12), "top-p / top-k changed nothing"
     others = [Request(tuple(tok.encode(t)), 64, temperature=t2, seed=s) for t, t2, s in
               [("KING", 0.0, 0), ("JULIET:", 1.2, 7), ("First Citizen:", 0.5, 99)]]
-    for i, r in enumerate(others, start=1):
+    for i, r in enumerate(others, start=2):
         eng.submit(r, col.sink(i))
     eng.submit(req, col.sink(9))
+    eng.submit(nucleus, col.sink(11))
     eng.submit(dataclasses.replace(req, seed=4321), col.sink(10))
-    col.wait([1, 2, 3, 9, 10])
+    col.wait([2, 3, 4, 9, 10, 11])
     assert col.tokens(9) == col.tokens(0), "the same seed gave other text next to other requests"
+    assert col.tokens(11) == col.tokens(1), "top-p / top-k sampling gave other text next to other requests"
     assert col.tokens(10) != col.tokens(0), "another seed gave the same text"
 
 
@@ -227,7 +234,7 @@ def test_queue_full_and_draining():
     eng.drain(timeout=120)
     assert len(ids) == 2 and all(col.reason(i) in ("length", "stop") for i in range(2))
     for i, r in enumerate(reqs):
-        assert col.tokens(i) == alone(weights, cfg, list(r.prompt), r)
+        assert col.tokens(i) == alone(weights, cfg, list(r.prompt), r), i
     with pytest.raises(Draining):
         eng.submit(Request((5,), 8), lambda ev: None)
 
