@@ -117,6 +117,9 @@ def test_bad_numbers_for_training_are_refused(tmp_path, capsys):
 @pytest.mark.parametrize(("content", "msg"), [
     (b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n', ":2: not UTF-8 text (byte 0xff)"),
     (b'{"prompt": "a", "id": [1, 2]}\n', ':1: "id" must be a string or an integer, got [1, 2]'),
+    (b'{"prompt": "a"}\n\n{"prompt": \n', ":3: not valid JSON (Expecting value)"),
+    (b'["a"]\n', ":1: each line must be a JSON object, got list"),
+    (b'{"text": "a"}\n', ':1: each line must be an object with a string "prompt"'),
     (b'{"prompt": "a", "id": 1}\n{"prompt": "b"}\n', ":2: id 1 is also the id of line 1 (a line without an id"),
 ])
 def test_bad_jsonl_input(tmp_path, capsys, content, msg):

@@ -126,6 +126,12 @@ def test_sft_masks_only_the_response(tmp_path) -> None:
     bad.write_text('{"prompt": "ab"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with 'prompt' and 'response'"):
         PairDataset(str(bad), enc, 8, 1, 0, 0)
+    for content, msg in ((b'{"prompt": "a", "response": "b"}\n[1]\n', r"bad.jsonl:2: each line must be a JSON object"),
+                         (b'\n{"prompt": "a", "response": \n', r"bad.jsonl:2: not valid JSON"),
+                         (b'{"prompt": "\xc3(", "response": "b"}\n', r"bad.jsonl:1: not UTF-8 text \(byte 0xc3\)")):
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=msg):
+            PairDataset(str(bad), enc, 8, 1, 0, 0)
 
 
 def test_sft_training_runs_and_scores_only_responses(tmp_path) -> None:

@@ -17,29 +17,15 @@ from typing import Any
 from tqdm import tqdm
 
 from clover_jax.errors import UsageError
+from clover_jax.jsonfile import read_lines
 
 
 def read_jobs(path: str) -> list[tuple[Any, str]]:
     """(id, prompt) per non-empty line; a line without an id gets its index. UsageError naming the line."""
     jobs: list[tuple[Any, str]] = []
     seen: dict[Any, tuple[int, bool]] = {}  # id -> (line, explicit)
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError as e:
-        raise UsageError(f"cannot read --input {path!r}: {e.strerror or e}") from None
-    for n, raw in enumerate(lines, 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+    for n, obj in read_lines(path, UsageError, "--input "):
+        if not isinstance(obj.get("prompt"), str):
             raise UsageError(f"{path}:{n}: each line must be an object with a string \"prompt\"")
         explicit = "id" in obj
         rid = obj["id"] if explicit else len(jobs)

@@ -7,13 +7,13 @@ run would have read.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from clover_jax.errors import DataError
+from clover_jax.jsonfile import read_lines
 
 
 @dataclass(frozen=True)
@@ -83,26 +83,16 @@ class PairDataset:
         if not os.path.isfile(path):
             raise DataError(f"SFT data {path!r} does not exist")
         rows, n_cut = [], 0
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    prompt, response = rec["prompt"], rec["response"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise DataError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'response' "
-                                    f"strings ({e})") from e
-                p, r = list(encode(prompt)), [*encode(response), *([] if eos_id is None else [eos_id])]
-                if len(p) >= seq_len:
-                    n_cut += 1
-                    continue
-                r = r[: seq_len - len(p)]
-                rows.append((p, r))
+        for lineno, rec in read_lines(path, DataError, "SFT data "):
+            prompt, response = rec.get("prompt"), rec.get("response")
+            if not (isinstance(prompt, str) and isinstance(response, str)):
+                raise DataError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'response' strings")
+            p, r = list(encode(prompt)), [*encode(response), *([] if eos_id is None else [eos_id])]
+            if len(p) >= seq_len:
+                n_cut += 1
+                continue
+            r = r[: seq_len - len(p)]
+            rows.append((p, r))
         if not rows:
             raise DataError(f"{path}: no usable examples ({n_cut} prompts longer than seq_len {seq_len})")
         n = len(rows)
