@@ -207,7 +207,7 @@ def _commit_rows(logits: Array, keys: Array, k: RowKnobs, mask_id: int) -> tuple
     """`_commit_row` for every row. Under vmap a per-row predicate turns every lax.cond inside into
     both branches, so the batch picks the cheapest program that serves all its rows: greedy when no row
     is above temperature 0, unfiltered draws when no row filters by top-k / top-p (else the two
-    bisections of `filter_logits` would run at every pass: 2x the time of a 1-row pass of clover-tiny),
+    bisections of `filter_logits` would run at every pass, costing clover-tiny more than its 1-row pass),
     and the per-row filters only when some row asks for them."""
     def run(k: RowKnobs, shared: dict[str, Array]) -> tuple[Array, Array, Array]:
         # `shared` knobs are one value for every row (unbatched), so the conds on them stay conds
