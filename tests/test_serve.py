@@ -130,23 +130,41 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
     # A batch picks its sampling program from its rows (greedy / unfiltered draws / top-k, top-p
     # filters): a row's tokens must not depend on which one its batch mates made it run.
     eng, tok, _ = shipped_engine
-    req = Request(tuple(tok.encode("ROMEO:")), 40, temperature=0.9, seed=1234)
-    nucleus = Request(tuple(tok.encode("KING:")), 40, temperature=0.9, top_p=0.8, top_k=40, seed=5)
+    # eos_stop=False: every request runs all its blocks, so the batches below are known exactly
+    req = Request(tuple(tok.encode("ROMEO:")), 40, temperature=0.9, seed=1234, eos_stop=False)
+    nucleus = Request(tuple(tok.encode("KING:")), 40, temperature=0.9, top_p=0.8, top_k=40, seed=5, eos_stop=False)
     col = Collector()
     for i, r in enumerate([req, nucleus, dataclasses.replace(nucleus, top_p=1.0, top_k=0)]):
-        eng.submit(r, col.sink(i if i < 2 else 12))
+        eng.submit(r, col.sink(i if i < 2 else 12))  # each alone: the plain, filtered, plain program
         col.wait([i if i < 2 else 12])
     assert col.tokens(1) != col.tokens(12), "top-p / top-k changed nothing"
+
+    # A greedy request runs alone for one block; the three submitted meanwhile join it together at the
+    # block boundary, so req and the greedy one run inside the filtered program nucleus needs.
+    before = eng.stats()
+    blocker = Request(tuple(tok.encode("KING RICHARD:")), 64, eos_stop=False)
+    greedy = Request(tuple(tok.encode("QUEEN:")), 64, eos_stop=False)
+    eng.submit(blocker, col.sink(20))
+    deadline = time.monotonic() + 120
+    while not eng.stats().active_rows and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for r, key in ((nucleus, 11), (req, 9), (greedy, 2)):
+        eng.submit(r, col.sink(key))
+    col.wait([20, 11, 9, 2])
+    after = eng.stats()
+    assert (after.blocks_run - before.blocks_run, after.rows_in_blocks - before.rows_in_blocks) == (3, 1 + 4 + 3)
+    assert col.tokens(9) == col.tokens(0), "the same seed gave other text next to a top-p row"
+    assert col.tokens(11) == col.tokens(1), "top-p / top-k sampling gave other text next to other requests"
+    assert col.tokens(2) == alone(eng.weights, eng.cfg, list(greedy.prompt), greedy)
+
     others = [Request(tuple(tok.encode(t)), 64, temperature=t2, seed=s) for t, t2, s in
               [("KING", 0.0, 0), ("JULIET:", 1.2, 7), ("First Citizen:", 0.5, 99)]]
-    for i, r in enumerate(others, start=2):
+    for i, r in enumerate(others, start=3):
         eng.submit(r, col.sink(i))
-    eng.submit(req, col.sink(9))
-    eng.submit(nucleus, col.sink(11))
+    eng.submit(req, col.sink(13))
     eng.submit(dataclasses.replace(req, seed=4321), col.sink(10))
-    col.wait([2, 3, 4, 9, 10, 11])
-    assert col.tokens(9) == col.tokens(0), "the same seed gave other text next to other requests"
-    assert col.tokens(11) == col.tokens(1), "top-p / top-k sampling gave other text next to other requests"
+    col.wait([3, 4, 5, 13, 10])
+    assert col.tokens(13) == col.tokens(0), "the same seed gave other text next to other requests"
     assert col.tokens(10) != col.tokens(0), "another seed gave the same text"
 
 
@@ -234,7 +252,7 @@ def test_queue_full_and_draining():
     eng.drain(timeout=120)
     assert len(ids) == 2 and all(col.reason(i) in ("length", "stop") for i in range(2))
     for i, r in enumerate(reqs):
-        assert col.tokens(i) == alone(weights, cfg, list(r.prompt), r), i
+        assert col.tokens(i) == alone(weights, cfg, list(r.prompt), r)
     with pytest.raises(Draining):
         eng.submit(Request((5,), 8), lambda ev: None)
 
