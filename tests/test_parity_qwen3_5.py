@@ -101,6 +101,12 @@ def test_left_padded_batch_matches_transformers(models):
     got = np.asarray(jax.jit(lambda w, t, v: transformer.apply(w, cfg, t, v, dispatch="tiled"))(
         weights, jnp.asarray(tokens), jnp.asarray(valid)))
     np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=0)
+    # the public forward with `valid` alone derives the positions and the mask from it
+    import clover_jax
+
+    alone_valid = np.asarray(clover_jax.forward(weights, cfg, jnp.asarray(tokens), valid=jnp.asarray(valid),
+                                                dispatch="tiled").logits)
+    np.testing.assert_allclose(alone_valid[valid], want[valid], atol=1e-4, rtol=0)
     # a padded row equals the same tokens unpadded
     alone = np.asarray(transformer.apply(weights, cfg, jnp.asarray(tokens[1:2, 7:]), dispatch="tiled"))
     np.testing.assert_allclose(got[1, 7:], alone[0], atol=1e-4)

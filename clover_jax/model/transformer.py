@@ -263,8 +263,10 @@ def forward(
 ) -> ForwardOut:
     """Logits for `tokens` [B, W]; `forward(weights, cfg, tokens).logits` for an unpadded batch.
 
-    positions: [B, W] rotary positions (default 0..W-1). mask: [B, W, S] bool (S = W without a cache,
-    else the cache length; default `masks.full_mask` of an unpadded batch, needs no cache).
+    positions: [B, W] rotary positions (default: counted over the real columns of `valid`, 0..W-1 when
+    `valid` is None). mask: [B, W, S] bool (S = W without a cache, else the cache length; default
+    `masks.full_mask` of `valid`, or of an unpadded batch; a default needs no cache). So
+    `forward(weights, cfg, tokens, valid=valid)` is the padded batch's answer, left padding included.
     logits_start / logits_len: compute the LM head only for that window of the W positions.
     dispatch: the MoE dispatch strategy (default the config's). mesh: shard activations and the
     expert-parallel dispatch on this mesh (None: one device, no constraints).
@@ -279,9 +281,9 @@ def forward(
     if mask is None or positions is None:
         if cache is not None:
             raise ValueError("forward with a cache needs explicit positions and mask")
-        everywhere = jnp.ones(tokens.shape, bool)
-        positions = masks.positions(everywhere) if positions is None else positions
-        mask = masks.full_mask(cfg, everywhere) if mask is None else mask
+        real = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
+        positions = masks.positions(real) if positions is None else positions
+        mask = masks.full_mask(cfg, real) if mask is None else mask
     x = weights.embed[tokens].astype(jnp.dtype(cfg.dtype))
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     offset = jnp.asarray(cache_offset, jnp.int32)
