@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from clover_jax import checkpoint, model
 from clover_jax.cli import main
 from clover_jax.config import get_config
-from clover_jax.convert import FAMILIES, ConversionError, convert
+from clover_jax.convert import FAMILIES, ConversionError, convert, published
 from clover_jax.model import params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -353,8 +353,10 @@ def test_qwen3_5_config_fields_are_honoured_or_refused_by_name(tmp_path):
         family.config_from_hf({**hf, "mystery_knob": 3}, cfg.name, cfg.dtype, None)
     with pytest.raises(ConversionError, match=r"not supported: attention_bias"):
         family.config_from_hf({**hf, "attention_bias": True}, cfg.name, cfg.dtype, None)
-    with pytest.raises(ConversionError, match=r"multimodal Qwen3.5 wrapper"):
-        family.config_from_hf({"model_type": "qwen3_5_moe", "text_config": hf}, cfg.name, cfg.dtype, None)
+    # the multimodal wrapper's text_config is the same model (published.read unwraps it)
+    wrapped = published.read({"model_type": "qwen3_5_moe", "text_config": hf, "vision_config": {"depth": 1}})
+    assert family.config_from_hf(wrapped.text, cfg.name, cfg.dtype, cfg.mask_token_id) == cfg
+    assert family.detect({"architectures": ["Qwen3_5MoeForConditionalGeneration"]})
     # the other families refuse the hybrid model instead of dropping its Gated DeltaNet layers
     for name in ("llada2_moe", "llada_moe", "qwen3_moe"):
         with pytest.raises(ConversionError, match="no Gated DeltaNet layers"):

@@ -69,8 +69,10 @@ def stale_temporaries(dest: str) -> list[str]:
     return sorted(glob.glob(glob.escape(os.path.abspath(dest)) + ".tmp-*"))
 
 
-def _report_stale(dest: str, force: bool) -> None:
-    stale = stale_temporaries(dest)
+def report_stale(dest: str, force: bool, keep: str | None = None) -> None:
+    """Warn about the unfinished `<dest>.tmp-*` of earlier killed runs (other than `keep`, one being continued),
+    or remove them when `force`; process 0 only."""
+    stale = [t for t in stale_temporaries(dest) if t != keep]
     if not stale or not is_primary():
         return
     if force:
@@ -96,7 +98,7 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
     dest = os.path.abspath(dest)
     if os.path.lexists(dest) and not force:
         raise CheckpointError(f"destination {dest} already exists (pass --force / force=True to replace it)")
-    _report_stale(dest, force)
+    report_stale(dest, force)
     parent = os.path.dirname(dest)
     token = _shared_token()
     tmp = f"{dest}.tmp-{token}"
@@ -108,7 +110,7 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
         yield tmp
         sync_processes(f"clover-atomic-written-{token}")
         if is_primary():
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if os.path.lexists(dest):
                 old = f"{dest}.tmp-old-{token}"
                 os.rename(dest, old)
@@ -116,7 +118,7 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
                 shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
             else:
                 os.rename(tmp, dest)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         sync_processes(f"clover-atomic-renamed-{token}")
     except BaseException:
         if is_primary():
@@ -124,7 +126,8 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
         raise
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory (its entries), ignoring filesystems that refuse it."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -60,13 +60,15 @@ SENTENCEPIECE_UNSUPPORTED = ("qwen3_5_moe", "qwen3_5_moe_text")
 _HF_NAMES = {"gen_length": "max_new_tokens"}  # SamplerConfig name -> GenerationConfig name
 
 
-def write_hf_extras(tmp: str, src: str, cfg: ModelConfig, hf_cfg: dict[str, Any]) -> list[str]:
+def write_hf_extras(tmp: str, src: str, cfg: ModelConfig, hf_cfg: dict[str, Any], verbatim: bool = False) -> list[str]:
     """Write the tokenizer config, generation_config.json and README.md of the export in `tmp` from the
-    native checkpoint `src` (see the module docstring); returns the names written."""
+    native checkpoint `src` (see the module docstring); returns the names written. `verbatim`: an export that
+    gives back a downloaded checkpoint's own files: a generation_config.json the copy brought is kept as it is,
+    and no README.md is added."""
     written = _tokenizer_files(tmp, src, cfg)
-    if _generation_config(tmp, src, cfg):
+    if not (verbatim and os.path.isfile(os.path.join(tmp, GENERATION_CONFIG))) and _generation_config(tmp, src, cfg):
         written.append(GENERATION_CONFIG)
-    if _readme(tmp, src, cfg, hf_cfg):
+    if not verbatim and _readme(tmp, src, cfg, hf_cfg):
         written.append(README)
     return written
 

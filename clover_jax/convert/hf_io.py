@@ -8,6 +8,10 @@ and `get(key)` reads one tensor (a positional read into a fresh array, no memory
 Writing: `ShardedWriter` is given the full list of (key, shape, dtype) up front, plans shards of
 bounded size, and writes each safetensors file header-first, then tensors in order as they come,
 so no shard is ever assembled in memory. It finishes with `model.safetensors.index.json`.
+`LayoutWriter` writes the files of a recorded layout instead (`read_layout`: each source file's header
+bytes and the index's text): every tensor at its recorded offset, in any order, so a checkpoint written
+back with unchanged tensors is byte for byte the one read. `copy_tensors` copies tensors of a source
+into a new safetensors directory unchanged, a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ class TensorInfo:
     file: str
     shape: tuple[int, ...]
     dtype: str  # numpy name
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return int(np.prod(self.shape)) * np_dtype(self.dtype).itemsize
 
 
 class SafetensorsSource:
@@ -308,3 +317,131 @@ class ShardedWriter:
             index = {"metadata": {"total_size": sum(t.nbytes for t in self.plan)}, "weight_map": weight_map}
             with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
+
+
+# ---- a recorded layout -----------------------------------------------------------------------------
+
+
+def raw_header(path: str) -> str:
+    """The header of the safetensors file `path` as stored (its JSON text, padding included)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode("utf-8")
+
+
+def read_layout(directory: str) -> dict[str, Any] | None:
+    """The file layout of the safetensors directory `directory`: {"files": {name: header text}, "index":
+    the index file's text or None}; None when it holds no safetensors files."""
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not names:
+        return None
+    index = os.path.join(directory, INDEX_FILE)
+    text = None
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8", newline="") as f:
+            text = f.read()
+        names = sorted(set(json.loads(text)["weight_map"].values()))
+    return {"files": {n: raw_header(os.path.join(directory, n)) for n in names}, "index": text}
+
+
+def layout_tensors(layout: dict[str, Any]) -> dict[str, PlannedTensor]:
+    """Every tensor a recorded layout holds, by key."""
+    out = {}
+    for header in layout["files"].values():
+        for key, v in json.loads(header).items():
+            if key != "__metadata__":
+                out[key] = PlannedTensor(key, tuple(v["shape"]), ST_DTYPES.get(v["dtype"], v["dtype"]))
+    return out
+
+
+class LayoutWriter:
+    """Writes the files of a recorded layout (`read_layout`) into `directory`: each file is created at its
+    full size with its recorded header, and every tensor is written at its recorded offset, so tensors may
+    come in any order. Same interface as ShardedWriter; `finish` writes the recorded index text and raises
+    ConversionError unless every tensor was written whole."""
+
+    def __init__(self, directory: str, layout: dict[str, Any]) -> None:
+        self.directory, self.layout = directory, layout
+        self._where: dict[str, tuple[str, int, int]] = {}  # key -> (file, start, end)
+        self._fds: dict[str, int] = {}
+        self._written: dict[str, int] = {}
+        self._dtypes = layout_tensors(layout)
+        for name, header in layout["files"].items():
+            raw = header.encode("utf-8")
+            start = 8 + len(raw)
+            end = start
+            for key, v in json.loads(header).items():
+                if key != "__metadata__":
+                    a, b = v["data_offsets"]
+                    self._where[key] = (name, start + a, start + b)
+                    end = max(end, start + b)
+            fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds[name] = fd
+            os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(fd, end)
+
+    def write(self, key: str, array: np.ndarray) -> None:
+        """One whole tensor."""
+        self.write_rows(key, [array])
+
+    def write_rows(self, key: str, blocks: Iterable[np.ndarray]) -> None:
+        """One tensor as consecutive row blocks, at its recorded offset."""
+        if key not in self._where:
+            raise ConversionError(f"internal: {key} is not in the recorded layout")
+        name, start, end = self._where[key]
+        t = self._dtypes[key]
+        pos = start
+        for a in blocks:
+            if tuple(a.shape[1:]) != t.shape[1:] or a.dtype != np_dtype(t.dtype):
+                raise ConversionError(f"internal: wrote {key} {a.shape} {a.dtype}, the layout has {t}")
+            buf = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            done = 0
+            while done < buf.nbytes:
+                done += os.pwrite(self._fds[name], buf[done:], pos + done)
+            pos += buf.nbytes
+        if pos != end:
+            raise ConversionError(f"internal: wrote {pos - start} bytes of {key}, the layout has {end - start}")
+        self._written[key] = pos - start
+
+    def finish(self) -> None:
+        """Close the files and write the recorded index; ConversionError if a tensor was not written."""
+        missing = sorted(set(self._where) - set(self._written))
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if missing:
+            raise ConversionError(f"internal: {len(missing)} tensors of the layout were not written: {missing[:3]}")
+        if self.layout.get("index") is not None:
+            with open(os.path.join(self.directory, INDEX_FILE), "w", encoding="utf-8", newline="") as f:
+                f.write(self.layout["index"])
+
+
+def row_blocks(source: SafetensorsSource | PickleSource, key: str, block_bytes: int) -> Iterable[np.ndarray]:
+    """Tensor `key` of `source` as consecutive blocks of rows of about `block_bytes` each."""
+    info = source.tensors[key]
+    if not info.shape:
+        yield source.get(key)
+        return
+    row = max(1, int(np.prod(info.shape[1:])) * np_dtype(info.dtype).itemsize)
+    step = max(1, block_bytes // row)
+    for r in range(0, info.shape[0], step):
+        yield source.get_rows(key, r, min(info.shape[0], r + step))
+
+
+def copy_tensors(source: SafetensorsSource | PickleSource, keys: Sequence[str], directory: str,
+                 max_shard_bytes: int, block_bytes: int = 64 * 1024**2, on_bytes: Any = None) -> list[str]:
+    """Write tensors `keys` of `source`, unchanged (dtype, shape, bytes), into the new safetensors directory
+    `directory` (shards of at most `max_shard_bytes`, with an index when there are several), a block of
+    rows at a time; `on_bytes(n)` after each block. Returns the files written."""
+    os.makedirs(directory, exist_ok=True)
+    plan = [PlannedTensor(k, source.tensors[k].shape, source.tensors[k].dtype) for k in keys]
+    writer = ShardedWriter(directory, plan, max_shard_bytes)
+    for t in plan:
+        def counted(key: str = t.key) -> Iterable[np.ndarray]:
+            for a in row_blocks(source, key, block_bytes):
+                if on_bytes is not None:
+                    on_bytes(a.nbytes)
+                yield a
+        writer.write_rows(t.key, counted())
+    writer.finish()
+    return writer.files

@@ -14,7 +14,14 @@ a chunk at a time as it streams through; its config.json records the scheme. A q
 exports to HF only with `dequantize=True`, as float weights in its config's dtype (HF checkpoints hold float
 weights). Quantizing a quantized checkpoint is refused before anything is written.
 
-Families: one module each (clover, llada2_moe, llada_moe, qwen3_moe) with `detect`,
+Published checkpoints (`published`): a config.json that wraps the text model's in `text_config` converts
+as that text model. Their vision (`model.visual.*`) and MTP (`mtp.*`) tensors are carried untouched in
+the native checkpoint's `extras/` (safetensors; never loaded for generation), the source's other small
+files in `hf_files/`, and its config.json text and safetensors headers in `hf_layout.json`, so that an
+export of an unchanged checkpoint writes the same files byte for byte. `text_only=True` leaves vision and
+MTP out (on import or on export); the export is then the text model alone.
+
+Families: one module each (clover, llada2_moe, llada_moe, qwen3_moe, qwen3_5_moe) with `detect`,
 `config_from_hf`, `config_to_hf` and `groups` (the HF keys of each weight, `mapping`).
 """
 
@@ -22,9 +29,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,9 +39,19 @@ from tqdm import tqdm
 
 from clover_jax import checkpoint
 from clover_jax.checkpoint import LazyLeaf, WeightReader
-from clover_jax.checkpoint.format import key_problems, summary
+from clover_jax.checkpoint.format import summary
 from clover_jax.config import ModelConfig
-from clover_jax.convert import clover, hf_io, llada2_moe, llada_moe, mapping, qwen3_5_moe, qwen3_moe
+from clover_jax.convert import (
+    clover,
+    hf_io,
+    llada2_moe,
+    llada_moe,
+    mapping,
+    published,
+    qwen3_5_moe,
+    qwen3_moe,
+    tensor_check,
+)
 from clover_jax.convert.hf_extras import write_hf_extras
 from clover_jax.convert.quantize import DequantizedReader, check_scheme, quantized_leaves, stream_chunk
 from clover_jax.errors import ConversionError
@@ -44,7 +61,13 @@ from clover_jax.tokenizer import TOKENIZER_FILES
 # The HF families by name (a native config's `family`, or what `--family` names).
 FAMILIES = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe, qwen3_5_moe)}
 SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
-IGNORED_KEYS = re.compile(r".*\.rotary_emb\.inv_freq$")
+LAYOUT_FILE = "hf_layout.json"  # native side: the source's config.json text and safetensors headers
+EXTRAS_DIR = "extras"  # native side: the vision and MTP tensors of a published checkpoint, as safetensors
+HF_FILES_DIR = "hf_files"  # native side: the source's other small files (preprocessor configs, vocab, ...)
+SIDE_FILE_MAX_BYTES = 64 * 1024**2
+# Files of a HF directory that are the weights or their config (never carried as side files).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+VISION_ONLY_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 def is_native(path: str) -> bool:
@@ -75,6 +98,7 @@ def convert(src: str, dst: str, quantize: str | None = None, dequantize: bool = 
             return quantize_native(src, dst, scheme, force=bool(kw.get("force")), progress=kw.get("progress", True))
         kw.pop("allow_pickle", None)
         kw.pop("mask_token_id", None)
+        kw.pop("resume", None)
         return native_to_hf(src, dst, dequantize=dequantize, **kw)
     kw.pop("max_shard_bytes", None)
     return hf_to_native(src, dst, quantize=scheme, **kw)
@@ -90,10 +114,6 @@ def _quantize_scheme(quantize: str | None, dequantize: bool) -> str | None:
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=not enabled, mininterval=0.5, dynamic_ncols=True)
-
-
-def _pattern(key: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", key)
 
 
 def _read_hf_config(src: str) -> dict[str, Any]:
@@ -123,31 +143,13 @@ def _family_of(hf: dict[str, Any], family: str | None) -> Any:
         f"{hf.get('architectures')}); known families: {', '.join(FAMILIES)} (or pass --family)")
 
 
-def _check_tensors(cfg: ModelConfig, groups: list[mapping.Group], src: Any) -> dict[str, str]:
-    """Key set, shapes and dtypes against the config; returns the source dtypes by key pattern
-    (`model.layers.*.mlp.gate.weight`), plus by exact key for any tensor that differs from its pattern."""
-    expected = {k: (s, g.kind) for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)}
-    found = {k: v for k, v in src.tensors.items() if not IGNORED_KEYS.match(k)}
-    problems = key_problems(expected, found, "tensors")
-    bad_shapes = [f"{k} is {tuple(found[k].shape)}, expected {tuple(expected[k][0])}"
-                  for k in sorted(set(expected) & set(found)) if tuple(found[k].shape) != tuple(expected[k][0])]
-    if bad_shapes:
-        problems.append("shapes that disagree with config.json: " + summary(bad_shapes, 4))
-    bad_dtypes = []
-    dtypes: dict[str, str] = {}
-    for k in sorted(set(expected) & set(found)):
-        dt, kind = found[k].dtype, expected[k][1]
-        if kind == "matmul" and dt != cfg.dtype:
-            bad_dtypes.append(f"{k} is {dt}, the model is {cfg.dtype}")
-        elif kind == "float32" and dt not in ("float32", "bfloat16", "float16"):
-            bad_dtypes.append(f"{k} is {dt}, expected a float type")
-        if dtypes.setdefault(_pattern(k), dt) != dt:
-            dtypes[k] = dt  # an exception to its pattern, kept so that export restores it exactly
-    if bad_dtypes:
-        problems.append("dtypes: " + summary(bad_dtypes, 4))
-    if problems:
-        raise ConversionError(f"the tensors in {src.directory} do not match a {cfg.family} model "
-                              f"as its config.json describes it: " + "; ".join(problems))
+def _check_tensors(cfg: ModelConfig, groups: list[mapping.Group], src: Any,
+                   tensors: dict[str, hf_io.TensorInfo]) -> dict[str, str]:
+    """`tensor_check.tensor_problems` as a ConversionError naming every difference; returns the source dtypes."""
+    diff, dtypes = tensor_check.tensor_problems(cfg, groups, tensors)
+    if diff:
+        raise ConversionError(f"the tensors in {src.directory} do not match a {cfg.family} model as its "
+                              "config.json describes it: " + "; ".join(diff.lines()))
     return dtypes
 
 
@@ -199,14 +201,77 @@ def _rows_leaf(source: Any, key: str, spec: Any, transpose: bool, bar: Any, bad:
     return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
 
+def _side_file_names(src: str, text_only: bool) -> list[str]:
+    """The small regular files of the HF directory `src` that are neither weights, their index, config.json
+    nor tokenizer files (copied on their own): preprocessor configs, vocab files, a README, ... (the vision
+    preprocessor configs left out when `text_only`)."""
+    skip = {"config.json", hf_io.INDEX_FILE, hf_io.PICKLE_INDEX_FILE, *TOKENIZER_FILES}
+    if text_only:
+        skip.update(VISION_ONLY_FILES)
+    return [n for n in sorted(os.listdir(src))
+            if n not in skip and not n.startswith(".") and not n.endswith(WEIGHT_SUFFIXES)
+            and os.path.isfile(os.path.join(src, n)) and os.path.getsize(os.path.join(src, n)) <= SIDE_FILE_MAX_BYTES]
+
+
+def _copy_files(src: str, names: Sequence[str], dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for n in names:
+        shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
+
+
+def _carried_parts(pub: published.Published, cfg: ModelConfig, source: Any, parts: dict[str, list[str]],
+                   text_only: bool, dst: str) -> list[str]:
+    """The vision and MTP keys to carry (none with `text_only`), after one line saying what happens to them
+    and a warning when they differ from what config.json describes."""
+    n_vis, n_mtp = len(parts[published.VISION]), len(parts[published.MTP])
+    keys = parts[published.VISION] + parts[published.MTP]
+    if not keys:
+        return []
+    size = sum(source.tensors[k].nbytes for k in keys)
+    what = f"{n_vis} vision and {n_mtp} MTP tensors ({size / 1e9:.2f} GB)"
+    if text_only:
+        print(f"clover convert: --text-only: leaving out {what}; an export of {dst} will be the text model alone",
+              file=sys.stderr)
+        return []
+    print(f"clover convert: carrying {what} untouched in {EXTRAS_DIR}/ (never loaded for generation; an export "
+          "writes them back; --text-only leaves them out)", file=sys.stderr)
+    want = published.expected(pub, cfg, keys)
+    for part in (published.VISION, published.MTP):
+        if not want[part] and part == published.VISION:
+            continue
+        diff = published.differences(want[part], {k: source.tensors[k] for k in parts[part]})
+        said = [f"{label}: {summary(diff[kind], 3)}" for kind, label in (
+            ("missing", "missing tensors"), ("unexpected", "unexpected tensors"), ("shape", "wrong shapes"))
+            if diff[kind]]
+        if said:
+            print(f"clover convert: warning: the {part} tensors differ from what config.json describes ("
+                  + "; ".join(said) + "); carried as they are", file=sys.stderr)
+    return keys
+
+
+def _fingerprint(src: str, options: dict[str, Any]) -> str:
+    """What identifies an import, for resuming it (`checkpoint.save_streaming`): the source directory's absolute
+    path, each weight file's (and index's) name, size and mtime_ns, config.json's text and the `options`."""
+    src = os.path.abspath(src)
+    files = [(n, st.st_size, st.st_mtime_ns) for n in sorted(os.listdir(src))
+             if n.endswith((*WEIGHT_SUFFIXES, ".index.json")) for st in [os.stat(os.path.join(src, n))]]
+    with open(os.path.join(src, "config.json"), encoding="utf-8", errors="surrogateescape") as f:
+        config = f.read()
+    return json.dumps({"source": src, "files": files, "config": config, "options": options}, sort_keys=True)
+
+
 def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: int | None = None,
                  allow_pickle: bool = False, force: bool = False, progress: bool = True,
-                 quantize: str | None = None) -> str:
+                 quantize: str | None = None, text_only: bool = False, resume: bool = True) -> str:
     """Import a HuggingFace checkpoint directory as a native one at `dst`; returns its path.
 
     family: the HF family when config.json does not tell. mask_token_id: for families whose config has
     none. allow_pickle: accept PyTorch .bin files (read with weights_only=True). quantize: "int8" or "fp8"
-    to write the matmul weights quantized (`convert.quantize`), each as it streams through.
+    to write the matmul weights quantized (`convert.quantize`), each as it streams through. A published
+    multimodal checkpoint converts as its text model; its vision and MTP tensors are carried in `extras/`
+    unless `text_only` (see the module docstring). A tensor that is neither the text model's, vision nor
+    MTP is a ConversionError naming it, before anything is written. resume: a killed import of the same source
+    with the same options continues where it stopped (`checkpoint.save_streaming`); False starts it over.
     """
     scheme = check_scheme(quantize)
     hf = _read_hf_config(src)
@@ -217,26 +282,31 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
                               f"{method!r}); import its float (bfloat16) release instead"
                               + (f" and quantize that with --quantize {scheme}" if scheme else ""))
     mod = _family_of(hf, family)
+    pub = published.read(hf)
     source = hf_io.open_source(src, allow_pickle)
     try:
         name = os.path.basename(os.path.normpath(src))
+        parts = published.split(source.tensors)
+        tensors = {k: source.tensors[k] for k in parts[published.TEXT]}
         # Families whose config also depends on the tensors (clover: the block-diffusion tensors' shapes).
-        extra = mod.tensor_fields(hf, source.tensors) if hasattr(mod, "tensor_fields") else {}
-        probe = mod.config_from_hf(hf, name, "float32", mask_token_id).replace(**extra)
-        variants = mod.source_variants(source.tensors)
+        extra = mod.tensor_fields(pub.text, tensors) if hasattr(mod, "tensor_fields") else {}
+        probe = mod.config_from_hf(pub.text, name, "float32", mask_token_id).replace(**extra)
+        variants = mod.source_variants(tensors)
         embed_key = next(g.hf[0] for g in mod.groups(probe, **variants) if g.native == (("embed", None),))
-        if embed_key not in source.tensors:
+        if embed_key not in tensors:
             raise ConversionError(f"the tensors in {src} lack the embedding {embed_key!r} "
                                   f"(is this really a {mod.NAME} checkpoint?)")
         dtype = source.tensors[embed_key].dtype
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConversionError(f"the embedding {embed_key} has dtype {dtype}; expected a float type")
-        cfg = mod.config_from_hf(hf, name, dtype, mask_token_id).replace(**extra)
+        cfg = mod.config_from_hf(pub.text, name, dtype, mask_token_id).replace(**extra)
         if cfg.quantization != quant.NONE:  # a clover config.json naming the native field
             raise ConversionError(f"{src}/config.json says quantization {cfg.quantization!r}, but a HuggingFace "
                                   "checkpoint holds float weights; remove the field (or set it to \"none\")")
         groups = mod.groups(cfg, **variants)
-        dtypes = _check_tensors(cfg, groups, source)
+        dtypes = _check_tensors(cfg, groups, source, tensors)
+        carried = _carried_parts(pub, cfg, source, parts, text_only, dst)
+        side = _side_file_names(src, text_only)
 
         specs = checkpoint.expected_leaves(cfg)
         slot_of: dict[mapping.Slot, tuple[mapping.Group, int]] = {}
@@ -248,7 +318,9 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
         if missing:  # a family module bug, not bad input
             raise ConversionError(f"internal: family {mod.NAME} does not produce {summary(missing)}")
 
-        bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()), "import", progress)
+        carried_bytes = sum(source.tensors[k].nbytes for k in carried)
+        bar = _progress(sum(s.size * np.dtype(s.dtype).itemsize for s in specs.values()) + carried_bytes, "import",
+                        progress)
         bad: dict[str, int] = {}  # native weight -> NaN / Inf values seen while streaming it
 
         def lazy(name: str, spec: Any) -> LazyLeaf:
@@ -280,10 +352,26 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
         leaves = {n: lazy(n, s) for n, s in specs.items()}
         if scheme:  # every chunk above holds whole contracted axes: one layer (or experts), lm_head's (D, rows)
             cfg, leaves = cfg.replace(quantization=scheme), quantized_leaves(specs, leaves, scheme)
-        record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf, "tensor_fields": extra}
+        record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf, "tensor_fields": extra,
+                  "text_only": text_only,
+                  "parts": {p: len(parts[p]) if carried else 0 for p in (published.VISION, published.MTP)}}
+        files = {SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)}
+        layout = None if text_only or not isinstance(source, hf_io.SafetensorsSource) else hf_io.read_layout(src)
+        if layout is not None:
+            with open(os.path.join(src, "config.json"), encoding="utf-8", newline="") as f:
+                layout["config"] = f.read()
+            files[LAYOUT_FILE] = json.dumps(layout, indent=1, sort_keys=True)
+        dirs: dict[str, Callable[[str], Any]] = {}
+        if carried:
+            dirs[EXTRAS_DIR] = lambda d: hf_io.copy_tensors(source, carried, d, DEFAULT_SHARD_BYTES,
+                                                           ROW_BLOCK_BYTES, bar.update)
+        if side:
+            dirs[HF_FILES_DIR] = lambda d: _copy_files(src, side, d)
         try:
-            out = checkpoint.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force,
-                                   extra_files={SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)})
+            options = {"family": mod.NAME, "mask_token_id": mask_token_id, "quantize": scheme, "text_only": text_only}
+            out = checkpoint.save_streaming(dst, cfg, leaves, tokenizer_dir=src, force=force, extra_files=files,
+                                            extra_dirs=dirs, fingerprint=_fingerprint(src, options), resume=resume,
+                                            on_skip=bar.update)
         finally:
             bar.close()
         _warn_nonfinite(bad, src)
@@ -320,7 +408,8 @@ def quantize_native(src: str, dst: str, scheme: str, force: bool = False, progre
     """Write the native float checkpoint `src` as a native checkpoint at `dst` with its matmul weights
     quantized (`scheme`: "int8" or "fp8"), streaming a chunk at a time; returns `dst`'s path. Tokenizer files,
     hf_source.json and the other files next to config.json are copied; the other weights are copied exactly.
-    ConversionError, before anything is written, when `src` is quantized already."""
+    ConversionError, before anything is written, when `src` is quantized already. The vision and MTP tensors
+    and side files an import carried (`extras/`, `hf_files/`) are copied as they are."""
     scheme = check_scheme(scheme)
     if scheme is None:
         raise ConversionError(f"quantize_native needs a scheme; choose one of {', '.join(quant.QTYPES)}")
@@ -345,23 +434,40 @@ def quantize_native(src: str, dst: str, scheme: str, force: bool = False, progre
         return LazyLeaf(spec.shape, np.dtype(spec.dtype), read, chunk)
 
     leaves = quantized_leaves(specs, {n: lazy(n, s) for n, s in specs.items()}, scheme)
+    dirs = {d: (lambda out, d=d: shutil.copytree(os.path.join(src, d), out, dirs_exist_ok=True))
+            for d in (EXTRAS_DIR, HF_FILES_DIR) if os.path.isdir(os.path.join(src, d))}
     try:
         out = checkpoint.save_streaming(dst, cfg.replace(quantization=scheme), leaves, tokenizer_dir=src, force=force,
-                                        extra_files=_side_files(src))
+                                        extra_files=_side_files(src), extra_dirs=dirs)
     finally:
         bar.close()
     _warn_nonfinite(bad, src)
     return out
 
 
-def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 force: bool = False, progress: bool = True, dequantize: bool = False) -> str:
+def _text_only_config(text: dict[str, Any], hf_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a text-only export: the source's text config updated by the family's, without
+    the MTP layers (their tensors are not written)."""
+    out = {**text, **hf_cfg}
+    if isinstance(text.get("rope_parameters"), dict):  # the multimodal rotary sections stay (text ignores them)
+        out["rope_parameters"] = {**text["rope_parameters"], **hf_cfg.get("rope_parameters", {})}
+    for key in ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"):
+        out.pop(key, None)
+    return out
+
+
+def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes: int | None = None,
+                 force: bool = False, progress: bool = True, dequantize: bool = False, text_only: bool = False) -> str:
     """Export a native checkpoint as HuggingFace safetensors at `dst`; returns its path.
 
     family: write the tensors as another family names them (default: the checkpoint's own). The config
-    and dtypes an import came from are restored exactly when the config is unchanged. A quantized checkpoint
-    is refused unless `dequantize`: then each weight is written as `qvalue * scale` in the config's dtype
-    (`convert.quantize.DequantizedReader`), and the HF config is the float model's.
+    and dtypes an import came from are restored exactly when the config is unchanged; so are the vision and
+    MTP tensors of a published checkpoint (`extras/`) and its other files, and, when the tensors' keys, shapes
+    and dtypes are those of the source, its very files (`hf_layout.json`: the same shards, byte for byte for
+    unchanged weights), unless `max_shard_bytes` asks for other shards (default: the source's, else
+    DEFAULT_SHARD_BYTES). `text_only`: leave vision and MTP out and write the text model alone. A quantized
+    checkpoint is refused unless `dequantize`: then each weight is written as `qvalue * scale` in the config's
+    dtype (`convert.quantize.DequantizedReader`), and the HF config is the float model's.
     """
     reader: Any = WeightReader(src)
     if reader.config.quantization != quant.NONE:
@@ -382,49 +488,97 @@ def native_to_hf(src: str, dst: str, family: str | None = None, max_shard_bytes:
     mod = FAMILIES[name]
     hf_cfg = mod.config_to_hf(cfg)  # refuses configs the family cannot express
     source_cfg = record.get("config") if recorded == name else None
-    if source_cfg is not None:
-        # Unchanged config: write the original file back verbatim; else update it with the new values.
-        same = mod.config_from_hf(source_cfg, cfg.name, cfg.dtype, cfg.mask_token_id).replace(
+    extras_dir = os.path.join(src, EXTRAS_DIR)
+    text_only = text_only or bool(record.get("text_only"))
+    carry = os.path.isdir(extras_dir) and not text_only and source_cfg is not None
+    layout = (_read_json(os.path.join(src, LAYOUT_FILE))
+              if source_cfg is not None and not text_only and max_shard_bytes is None else None)
+    same = False
+    pub = published.read(source_cfg) if source_cfg is not None else None
+    if pub is not None:
+        # Unchanged config: write the original back verbatim; else update it with the new values.
+        same = mod.config_from_hf(pub.text, cfg.name, cfg.dtype, cfg.mask_token_id).replace(
             **record.get("tensor_fields", {})) == cfg
-        hf_cfg = source_cfg if same else {**source_cfg, **hf_cfg}
+        if pub.wrapper is not None and not carry:
+            hf_cfg = _text_only_config(pub.text, hf_cfg)
+        elif pub.wrapper is not None:
+            fields = {k: v for k, v in hf_cfg.items() if k not in ("model_type", "architectures")}
+            hf_cfg = source_cfg if same else {**source_cfg, "text_config": {**source_cfg["text_config"], **fields}}
+        else:
+            hf_cfg = source_cfg if same else {**source_cfg, **hf_cfg}
     # The keys the import read (fused experts, a key prefix, ...); "fused_experts" alone: records before 0.2.
-    variants = record.get("variants", {"fused_experts": bool(record.get("fused_experts"))})
+    variants = dict(record.get("variants", {"fused_experts": bool(record.get("fused_experts"))}))
+    if pub is not None and pub.wrapper is not None and not carry and variants.get("prefix") == "model.language_model.":
+        variants["prefix"] = "model."  # the text model alone, keyed as Qwen3_5MoeForCausalLM saves it
     groups = mod.groups(cfg, **(variants if source_cfg is not None else {}))
     dtypes = record.get("dtypes", {}) if source_cfg is not None else {}
     specs = checkpoint.expected_leaves(cfg)
 
     def out_dtype(key: str, slot: mapping.Slot) -> str:
-        return dtypes.get(key) or dtypes.get(_pattern(key)) or np.dtype(specs[slot[0]].dtype).name
+        return dtypes.get(key) or dtypes.get(tensor_check.pattern(key)) or np.dtype(specs[slot[0]].dtype).name
 
     plan = [hf_io.PlannedTensor(k, tuple(s), out_dtype(k, g.native[0]))
             for g in groups for k, s in zip(g.hf, g.hf_shapes, strict=True)]
-    bar = _progress(sum(t.nbytes for t in plan), "export", progress)
+    extras = hf_io.open_source(extras_dir) if carry else None
     try:
-        with checkpoint.atomic_directory(dst, force) as tmp:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(hf_cfg, f, indent=2, sort_keys=True)
-            checkpoint.copy_tokenizer_files(src, tmp)
-            write_hf_extras(tmp, src, cfg, hf_cfg)
-            writer = hf_io.ShardedWriter(tmp, plan, max_shard_bytes)
-            i = 0
-            for g in groups:
-                if g.native[0][0] in ("embed", "lm_head"):  # the largest tensors: in row blocks
-                    writer.write_rows(g.hf[0], _row_blocks(reader, g.native[0][0], plan[i], bar))
-                    i += 1
-                    continue
-                if g.part and len(g.hf) > len(g.native):  # per-expert keys: the experts a chunk at a time
-                    outs = g.to_hf([_ExpertChunks(reader, *g.native[0])])
+        if extras is not None:
+            plan += [hf_io.PlannedTensor(k, t.shape, t.dtype) for k, t in extras.tensors.items()]
+        if layout is not None and (not same or hf_io.layout_tensors(layout) != {t.key: t for t in plan}):
+            layout = None  # the tensors changed: shards planned anew
+        bar = _progress(sum(t.nbytes for t in plan), "export", progress)
+        try:
+            with checkpoint.atomic_directory(dst, force) as tmp:
+                if layout is not None:
+                    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8", newline="") as f:
+                        f.write(layout["config"])
                 else:
-                    outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
-                for key, a in zip(g.hf, outs, strict=True):
-                    a = a.astype(hf_io.np_dtype(plan[i].dtype), copy=False)
-                    writer.write(key, a)
-                    bar.update(a.nbytes)
-                    i += 1
-            writer.finish()
+                    with open(os.path.join(tmp, "config.json"), "w") as f:
+                        json.dump(hf_cfg, f, indent=2, sort_keys=True)
+                checkpoint.copy_tokenizer_files(src, tmp)
+                side = os.path.join(src, HF_FILES_DIR)
+                if os.path.isdir(side):
+                    _copy_files(side, [n for n in sorted(os.listdir(side)) if carry or n not in VISION_ONLY_FILES],
+                                tmp)
+                write_hf_extras(tmp, src, cfg, hf_cfg, verbatim=layout is not None)
+                writer: Any = (hf_io.LayoutWriter(tmp, layout) if layout is not None
+                               else hf_io.ShardedWriter(tmp, plan, max_shard_bytes or DEFAULT_SHARD_BYTES))
+                i = 0
+                for g in groups:
+                    if g.native[0][0] in ("embed", "lm_head"):  # the largest tensors: in row blocks
+                        writer.write_rows(g.hf[0], _row_blocks(reader, g.native[0][0], plan[i], bar))
+                        i += 1
+                        continue
+                    if g.part and len(g.hf) > len(g.native):  # per-expert keys: the experts a chunk at a time
+                        outs = g.to_hf([_ExpertChunks(reader, *g.native[0])])
+                    else:
+                        outs = g.to_hf([reader.read(n, idx) for n, idx in g.native])
+                    for key, a in zip(g.hf, outs, strict=True):
+                        a = a.astype(hf_io.np_dtype(plan[i].dtype), copy=False)
+                        writer.write(key, a)
+                        bar.update(a.nbytes)
+                        i += 1
+                for t in plan[i:]:  # the carried vision and MTP tensors, as stored
+                    writer.write_rows(t.key, _counted(hf_io.row_blocks(extras, t.key, ROW_BLOCK_BYTES), bar))
+                writer.finish()
+        finally:
+            bar.close()
     finally:
-        bar.close()
+        if extras is not None:
+            extras.close()
     return os.path.abspath(dst)
+
+
+def _counted(blocks: Any, bar: Any) -> Any:
+    for a in blocks:
+        bar.update(a.nbytes)
+        yield a
+
+
+def _read_json(path: str) -> Any:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _row_blocks(reader: WeightReader, name: str, t: hf_io.PlannedTensor, bar: Any) -> Any:

@@ -29,6 +29,7 @@ from clover_jax.errors import ConversionError
 NAME = "qwen3_5_moe"
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM",)
+WRAPPER_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)  # the multimodal model (`published`)
 # Fields of transformers' PretrainedConfig and of Qwen3_5MoeTextConfig that do not change the model's
 # function here: bookkeeping, generation or training switches.
 METADATA = {
@@ -36,6 +37,10 @@ METADATA = {
     "output_hidden_states", "output_attentions", "return_dict", "use_cache", "chunk_size_feed_forward",
     "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class", "output_router_logits",
     "router_aux_loss_coef", "bos_token_id", "initializer_range", "mask_token_id",
+    # The MTP layers' settings: their tensors are carried, not run (`published`).
+    "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
+    # The dtype transformers keeps the Gated DeltaNet state in; it is float32 here whatever the weights' dtype.
+    "mamba_ssm_dtype",
 }
 HONOURED = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -44,16 +49,17 @@ HONOURED = {
     "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
     "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts",
     "layer_types", "full_attention_interval", "eos_token_id", "pad_token_id", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers", "mtp_num_hidden_layers",
+    "decoder_sparse_step", "mlp_only_layers", "attn_output_gate",
 }
 PREFIXES = ("model.", "model.language_model.", "language_model.model.", "language_model.")
 GATED_ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
 
 
 def detect(hf: dict[str, Any]) -> bool:
-    """Whether the HF config.json dict `hf` is this family's (`model_type` `qwen3_5_moe_text`, or the text
-    model's architecture)."""
-    return hf.get("model_type") in MODEL_TYPES or any(a in ARCHITECTURES for a in hf.get("architectures") or [])
+    """Whether the HF config.json dict `hf` is this family's (`model_type` `qwen3_5_moe_text` or the multimodal
+    wrapper's `qwen3_5_moe`, or either model's architecture)."""
+    archs = hf.get("architectures") or []
+    return hf.get("model_type") in MODEL_TYPES or any(a in ARCHITECTURES + WRAPPER_ARCHITECTURES for a in archs)
 
 
 def _layer_types(hf: dict[str, Any], n_layers: int) -> tuple[str, ...]:
@@ -68,9 +74,8 @@ def text_fields(hf: dict[str, Any], family: str, honoured: frozenset[str] = froz
     """The native config fields of a Qwen3.5 text config.json `hf` (everything but attention mode, block size,
     name and dtype); `honoured`: further fields the calling family reads itself. ConversionError naming any
     field not understood or not honoured."""
-    if "text_config" in hf:
-        raise ConversionError("config.json is the multimodal Qwen3.5 wrapper (text_config + vision_config); "
-                              "only the text model (Qwen3_5MoeForCausalLM) converts")
+    if "text_config" in hf:  # `published.read` unwraps it first
+        raise ConversionError("internal: a multimodal config.json reached the text model's fields unread")
     unknown = sorted(set(hf) - HONOURED - METADATA - honoured)
     if unknown:
         raise ConversionError(f"config.json ({family}) has fields this converter does not understand: "
@@ -86,7 +91,7 @@ def text_fields(hf: dict[str, Any], family: str, honoured: frozenset[str] = froz
     common.refuse(hf.get("decoder_sparse_step", 1) != 1, "decoder_sparse_step != 1")
     common.refuse(bool(hf.get("mlp_only_layers")), "mlp_only_layers (dense layers in the hybrid stack)")
     common.refuse(not hf.get("norm_topk_prob", True), "norm_topk_prob=false (Qwen3.5 renormalises top-k)")
-    common.refuse(int(hf.get("mtp_num_hidden_layers") or 0) > 0, "multi-token-prediction layers (mtp_*)")
+    common.refuse(hf.get("attn_output_gate", True) is False, "attn_output_gate=false (Qwen3.5 gates attention)")
     unknown_rope = sorted(set(rp) - {"rope_theta", "rope_type", "partial_rotary_factor", "mrope_section",
                                      "mrope_interleaved"})
     common.refuse(bool(unknown_rope), f"rope_parameters fields {unknown_rope}")
