@@ -110,20 +110,25 @@ def atomic_directory(dest: str, force: bool = False) -> Iterator[str]:
         yield tmp
         sync_processes(f"clover-atomic-written-{token}")
         if is_primary():
-            fsync_dir(tmp)
-            if os.path.lexists(dest):
-                old = f"{dest}.tmp-old-{token}"
-                os.rename(dest, old)
-                os.rename(tmp, dest)
-                shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
-            else:
-                os.rename(tmp, dest)
-            fsync_dir(parent)
+            swap_into_place(tmp, dest, f"{dest}.tmp-old-{token}")
         sync_processes(f"clover-atomic-renamed-{token}")
     except BaseException:
         if is_primary():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def swap_into_place(tmp: str, dest: str, old: str) -> None:
+    """Rename the finished directory `tmp` to `dest`; an existing `dest` is first renamed to `old` and deleted
+    after the swap. Both directories are fsynced around it."""
+    fsync_dir(tmp)
+    if os.path.lexists(dest):
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+    else:
+        os.rename(tmp, dest)
+    fsync_dir(os.path.dirname(dest))
 
 
 def fsync_dir(path: str) -> None:

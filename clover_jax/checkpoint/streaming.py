@@ -36,7 +36,7 @@ from orbax.checkpoint._src.metadata import step_metadata_serialization
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
-from clover_jax.checkpoint.atomic import atomic_directory, fsync_dir, report_stale, stale_temporaries
+from clover_jax.checkpoint.atomic import atomic_directory, report_stale, stale_temporaries, swap_into_place
 from clover_jax.checkpoint.format import (
     CONFIG_FILE,
     WEIGHTS_DIR,
@@ -322,15 +322,7 @@ def _resumable_directory(dest: str, force: bool, header: Mapping[str, str],
     try:
         yield tmp, journal, entries
         journal.close()
-        fsync_dir(tmp)
-        if os.path.lexists(dest):
-            old = f"{tmp}-old"
-            os.rename(dest, old)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
-        else:
-            os.rename(tmp, dest)
-        fsync_dir(os.path.dirname(dest))
+        swap_into_place(tmp, dest, f"{tmp}-old")
         os.remove(os.path.join(dest, JOURNAL_FILE))  # after the rename: a kill in between loses nothing
     except KeyboardInterrupt:
         journal.close()
