@@ -77,7 +77,7 @@ class ModelConfig:
     # Clover's block-diffusion Gated DeltaNet. `bd_conv_right_kernel` > 0: every Gated DeltaNet layer carries
     # the four extra tensors (conv_right_weight of that many taps, bd_softmax_logit_scale / _history_bias /
     # _history_c). `bd_gdn` says how they are used: "reconstructed" (this project's reading of them, see the
-    # README: bidirectional inside a block, the committed prefix only through the recurrent state) or "none"
+    # docs/model.md: bidirectional inside a block, the committed prefix only through the recurrent state) or "none"
     # (ignored: the plain causal Gated DeltaNet, as llama.cpp runs Clover).
     bd_gdn: str = "none"
     bd_conv_right_kernel: int = 0

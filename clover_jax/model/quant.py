@@ -163,7 +163,7 @@ def check_backend(scheme: str, devices: Any = None) -> None:
     """ConfigError unless `scheme` weights are offered on every device: int8 anywhere; fp8 on chips with fp8
     matrix units and on CPU. A policy, not a limit of the code: the matmuls dequantize fp8 into the activations'
     dtype on every backend (weight-only), so fp8 buys no fp8 compute today, and where the chip has no fp8 units
-    int8 is the same size and measured closer to bf16 (README, "Quantized weights")."""
+    int8 is the same size and measured closer to bf16 (docs/quantization.md)."""
     if scheme != "fp8":
         return
     for d in devices if devices is not None else jax.devices():
