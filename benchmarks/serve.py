@@ -15,13 +15,32 @@ one warm-up call per shape). `--pass-scaling` only times the model's refinement 
 / 16 (the ceiling of what batching can give on this machine). `--engine` also runs the same
 closed-loop clients on an `Engine` in this process (no HTTP), which separates what the batching gives
 from what the HTTP layer costs. Prints figures; asserts nothing about time.
+
+    python benchmarks/serve.py --soak 10             # 10 minutes of mixed traffic, then the ledger
+
+`--soak MINUTES` instead runs `clover serve` with an API key ($CLOVER_API_KEY), --request-timeout
+`--soak-timeout`, a 64 KiB body limit and JSON access lines, and `--soak-clients` threads on 127.0.0.1
+sending a random mix (seeded) until the time is up: valid completions and chats, streamed ones, invalid
+ones (bad JSON, wrong types, a prompt too long, an unknown model, no key, a wrong key, a body over the
+limit, a wrong content type, n too large, NaN, nesting 10,000 deep), streams the client hangs up on
+after the first chunk, and long ones (max_tokens 128, n 2) meant to pass the deadline. It prints
+p50 / p99 latency (all answered requests and per kind), responses by status, requests accepted (200)
+against requests finished (every choice with exactly one final finish_reason, or an error event, then
+[DONE]; a hung-up stream counts as finished once the server's ledger closes), the server's own ledger
+(generations submitted vs ended, rows and queue back to 0), access lines against requests answered,
+and the server's RSS at start (after compiling), at the end and at its peak. It exits 1 if anything
+was lost.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import random
+import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -49,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only time the model's refinement pass at batch 1 / 4 / 16 (what batching can give here)")
     p.add_argument("--engine", action="store_true",
                    help="also the same clients on the engine in this process (no HTTP): what the batching gives")
+    p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                   help="run the soak test for MINUTES instead (mixed traffic, then the ledger; see above)")
+    p.add_argument("--soak-clients", type=int, default=24, help="client threads of the soak (default 24)")
+    p.add_argument("--soak-timeout", type=float, default=10.0,
+                   help="the server's --request-timeout during the soak, seconds (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the soak's request mix")
     return p.parse_args(argv)
 
 
@@ -269,11 +294,290 @@ def generate_baseline(args: argparse.Namespace, n: int) -> dict:
             "tokens": toks, "tokens_per_pass": float("nan"), "rows_per_block": 1.0}
 
 
+# --- the soak test ---------------------------------------------------------------------------------
+
+SOAK_MAX_TOKENS = 128
+SOAK_BODY_LIMIT = 64 * 1024
+KINDS = (("valid", 30), ("stream", 30), ("invalid", 20), ("cancelled", 10), ("timeout", 10))
+
+
+class Ledger:
+    """What the soak's clients saw (thread-safe): statuses, latencies, and how each accepted request ended."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent: collections.Counter = collections.Counter()  # by kind
+        self.status: collections.Counter = collections.Counter()  # by status code (or an exception name)
+        self.ended: collections.Counter = collections.Counter()  # finished / errored / hung_up / lost
+        self.timed_out: collections.Counter = collections.Counter()  # by kind
+        self.unexpected: list[str] = []
+        self.latency: dict[str, list[float]] = collections.defaultdict(list)
+        self.answered_v1 = 0  # requests to /v1/* that got a status line: each must have one access line
+
+    def add(self, kind: str, status: int | str, seconds: float | None, ended: str | None = None,
+            timed_out: bool = False, note: str | None = None) -> None:
+        """One request: its kind, status (or exception name), latency, how it ended (accepted ones)."""
+        with self.lock:
+            self.sent[kind] += 1
+            self.status[status] += 1
+            if isinstance(status, int):
+                self.answered_v1 += 1
+            if seconds is not None:
+                self.latency[kind].append(seconds)
+            if ended is not None:
+                self.ended[ended] += 1
+            if timed_out:
+                self.timed_out[kind] += 1
+            if note is not None and len(self.unexpected) < 20:
+                self.unexpected.append(note)
+
+
+def _invalid(rng: random.Random, key: str) -> tuple[str, bytes, dict[str, str], int]:
+    """(path, body, headers, expected status) of one invalid request."""
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    good = {"model": MODEL[0], "prompt": "ROMEO:", "max_tokens": 8}
+    cases = [
+        ("/v1/completions", b'{"prompt": ', auth, 400),
+        ("/v1/completions", json.dumps({**good, "max_tokens": "10"}).encode(), auth, 400),
+        ("/v1/completions", json.dumps({**good, "prompt": "word " * 200}).encode(), auth, 400),
+        ("/v1/completions", json.dumps({**good, "model": "gpt-4"}).encode(), auth, 404),
+        ("/v1/completions", json.dumps(good).encode(), {"Content-Type": "application/json"}, 401),
+        ("/v1/chat/completions", json.dumps(good).encode(), {**auth, "Authorization": "Bearer wrong"}, 401),
+        ("/v1/completions", json.dumps({**good, "prompt": "x" * (SOAK_BODY_LIMIT + 1)}).encode(), auth, 413),
+        ("/v1/completions", json.dumps(good).encode(), {**auth, "Content-Type": "text/plain"}, 415),
+        ("/v1/completions", json.dumps({**good, "n": 99}).encode(), auth, 400),
+        ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', auth, 400),
+        ("/v1/chat/completions", b"[" * 10000 + b"]" * 10000, auth, 400),
+        ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode(), auth, 400),
+    ]
+    return rng.choice(cases)
+
+
+def _sse_end(lines: list[str], n: int) -> tuple[str, bool]:
+    """How a stream ended: "finished" (each of the n choices exactly one finish_reason, then [DONE]),
+    "errored" (an error event, then [DONE]) or "lost"; and whether it says timed_out."""
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    if not data or data[-1] != "[DONE]":
+        return "lost", False
+    finals: collections.Counter = collections.Counter()
+    timed_out = False
+    for d in data[:-1]:
+        obj = json.loads(d)
+        if "error" in obj:
+            return "errored", False
+        timed_out |= bool(obj.get("timed_out"))
+        for c in obj.get("choices", []):
+            if c.get("finish_reason"):
+                finals[c["index"]] += 1
+    return ("finished" if finals == dict.fromkeys(range(n), 1) else "lost"), timed_out
+
+
+def soak_client(url: str, key: str, end: float, rng: random.Random, ledger: Ledger) -> None:
+    """Send random requests until `end` (time.monotonic()), one at a time, recording each in `ledger`."""
+    import httpx
+
+    auth = {"Authorization": f"Bearer {key}"}
+    names, weights = zip(*KINDS, strict=True)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        while time.monotonic() < end:
+            kind = rng.choices(names, weights)[0]
+            prompt = rng.choice(PROMPTS)
+            t0 = time.perf_counter()
+            try:
+                if kind == "invalid":
+                    path, raw, headers, want = _invalid(rng, key)
+                    r = c.post(path, content=raw, headers=headers)
+                    ok = r.status_code == want and "error" in r.json()
+                    ledger.add(kind, r.status_code, time.perf_counter() - t0,
+                               note=None if ok else f"invalid {path} wanted {want}, got {r.status_code} {r.text[:200]}")
+                    continue
+                chat = rng.random() < 0.3
+                n = 2 if kind == "timeout" else rng.choice((1, 1, 1, 2))
+                body: dict[str, Any] = {"model": MODEL[0], "n": n, "temperature": rng.choice((0.0, 0.0, 0.8)),
+                                        "max_tokens": SOAK_MAX_TOKENS if kind == "timeout" else rng.choice((8, 16, 32))}
+                if chat:
+                    body["messages"] = [{"role": "user", "content": prompt}]
+                else:
+                    body["prompt"] = prompt
+                if rng.random() < 0.2:
+                    body["stop"] = ["\n\n"]
+                path = "/v1/chat/completions" if chat else "/v1/completions"
+                if kind in ("stream", "cancelled") or (kind == "timeout" and rng.random() < 0.5):
+                    body["stream"] = True
+                    with c.stream("POST", path, json=body, headers=auth) as r:
+                        if r.status_code != 200:
+                            ledger.add(kind, r.status_code, time.perf_counter() - t0,
+                                       note=f"{kind} got {r.status_code} {r.read()[:200]!r}")
+                            continue
+                        lines = []
+                        for line in r.iter_lines():
+                            lines.append(line)
+                            if kind == "cancelled" and line.startswith("data: "):
+                                break  # hang up after the first chunk
+                    if kind == "cancelled" and lines[-1] != "data: [DONE]":
+                        ledger.add(kind, 200, None, ended="hung_up")
+                        continue
+                    how, timed_out = _sse_end(lines, n)
+                    ledger.add(kind, 200, time.perf_counter() - t0, ended=how, timed_out=timed_out,
+                               note=None if how != "lost" else f"lost stream: {lines[-3:]}")
+                else:
+                    r = c.post(path, json=body, headers=auth)
+                    if r.status_code != 200:
+                        ledger.add(kind, r.status_code, time.perf_counter() - t0,
+                                   note=f"{kind} got {r.status_code} {r.text[:200]}")
+                        continue
+                    obj = r.json()
+                    ok = len(obj["choices"]) == n and all(ch["finish_reason"] for ch in obj["choices"])
+                    ledger.add(kind, 200, time.perf_counter() - t0, ended="finished" if ok else "lost",
+                               timed_out=bool(obj.get("timed_out")), note=None if ok else f"lost: {r.text[:200]}")
+            except Exception as e:  # a dropped connection or a timeout: counted, never silent
+                ledger.add(kind, type(e).__name__, None, note=f"{kind}: {e!r}"[:200])
+
+
+def metrics_ledger(port: int, key: str) -> dict[str, Any]:
+    """The soak's view of /metrics: the generation ledger, rows, queue and timeouts."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    values: dict[str, float] = {}
+    ended_by: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        if name.startswith("clover_generations_ended_total{"):
+            ended_by[name.split('"')[1]] = float(value)
+        values[name] = float(value)
+    return {"submitted": values.get("clover_generations_submitted_total", 0.0), "ended": sum(ended_by.values()),
+            "ended_by": ended_by, "in_flight": values.get("clover_generations_in_flight", 0.0),
+            "active": values.get("clover_active_rows", 0.0), "queue": values.get("clover_queue_depth", 0.0),
+            "timed_out": values.get("clover_requests_timed_out_total", 0.0)}
+
+
+def start_soak_server(args: argparse.Namespace, key: str) -> tuple[subprocess.Popen, int, list[dict], float]:
+    """`clover serve` for the soak: (process, port, its log lines as parsed JSON, seconds to listen)."""
+    cmd = [sys.executable, "-m", "clover_jax.cli", "serve", "--port", "0", "--max-prompt", "32",
+           "--max-tokens", str(SOAK_MAX_TOKENS), "--batch-sizes", *map(str, args.batch_sizes),
+           "--request-timeout", str(args.soak_timeout), "--max-body-bytes", str(SOAK_BODY_LIMIT),
+           "--log-format", "json", "--log-level", "info"]
+    if args.model:
+        cmd += ["--model", args.model]
+    t0 = time.perf_counter()
+    env = {**os.environ, "CLOVER_API_KEY": key}  # never on the command line
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    assert proc.stderr is not None
+    log: list[dict] = []
+
+    def parse(line: str) -> dict:
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"message": line.rstrip("\n"), "not_json": True}
+
+    for line in proc.stderr:
+        log.append(parse(line))
+        if log[-1].get("message", "").startswith("listening on"):
+            rest = proc.stderr
+            threading.Thread(target=lambda rest=rest: [log.append(parse(x)) for x in rest], daemon=True).start()
+            return proc, int(log[-1]["message"].rsplit(":", 1)[1]), log, time.perf_counter() - t0
+    raise SystemExit(f"serve.py: the server exited ({proc.wait()}) before listening")
+
+
+def soak(args: argparse.Namespace) -> int:
+    """The soak test (see the module docstring); 0 when nothing was lost."""
+    import httpx
+    import psutil
+
+    key = secrets.token_urlsafe(24)
+    proc, port, log, ready_s = start_soak_server(args, key)
+    url = f"http://127.0.0.1:{port}"
+    print(f"soak: server ready after {ready_s:.1f} s; {args.soak:g} min, {args.soak_clients} clients, "
+          f"--request-timeout {args.soak_timeout:g} s, max_tokens up to {SOAK_MAX_TOKENS}", flush=True)
+    server = psutil.Process(proc.pid)
+    rss_start = rss_peak = server.memory_info().rss
+    MODEL[0] = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0]["id"]
+    ledger = Ledger()
+    ledger.answered_v1 = 1  # the GET /v1/models just above
+    t_start = time.monotonic()
+    end = t_start + args.soak * 60
+    threads = [threading.Thread(target=soak_client, args=(url, key, end, random.Random(args.seed * 1000 + i), ledger))
+               for i in range(args.soak_clients)]
+    for t in threads:
+        t.start()
+    last_report = t_start
+    while any(t.is_alive() for t in threads):
+        time.sleep(2)
+        rss_peak = max(rss_peak, server.memory_info().rss)
+        if time.monotonic() - last_report >= 60:
+            last_report = time.monotonic()
+            print(f"soak: {(last_report - t_start) / 60:.0f} min, {sum(ledger.sent.values())} requests, "
+                  f"RSS {server.memory_info().rss / (1 << 20):.0f} MiB", flush=True)
+    for t in threads:
+        t.join()
+    idle_by = time.monotonic() + 60  # the hung-up streams' rows free at their next block boundary
+    m = metrics_ledger(port, key)
+    while (m["in_flight"] or m["active"] or m["queue"]) and time.monotonic() < idle_by:
+        time.sleep(0.5)
+        m = metrics_ledger(port, key)
+    rss_end = server.memory_info().rss
+    rss_peak = max(rss_peak, rss_end)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(120)
+    time.sleep(0.5)  # the reader thread takes the last lines
+    access = [o for o in log if o.get("event") == "access" and str(o.get("path", "")).startswith("/v1/")]
+    access_by_status = collections.Counter(o["status"] for o in access)
+    not_json = [o["message"] for o in log if o.get("not_json")]
+    key_leaked = any(key in json.dumps(o) for o in log)
+
+    def pcts(xs: list[float]) -> str:
+        xs = sorted(xs)
+        return f"p50 {pct(xs, 50):.2f} s, p99 {pct(xs, 99):.2f} s (n={len(xs)})" if xs else "-"
+
+    accepted, ends = ledger.status[200], ledger.ended
+    closed = ends["finished"] + ends["errored"] + ends["hung_up"]
+    mib = 1 << 20
+    print(f"\nsoak: {args.soak:g} min on {MODEL[0]}, {args.soak_clients} clients on 127.0.0.1 "
+          "(a shared 2-core machine)")
+    print("requests sent by kind: " + ", ".join(f"{k} {ledger.sent[k]}" for k, _ in KINDS)
+          + f" (total {sum(ledger.sent.values())}, {sum(ledger.sent.values()) / (args.soak * 60):.2f}/s)")
+    print("responses by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(ledger.status.items(), key=str)))
+    print(f"latency, every answered request: {pcts([x for v in ledger.latency.values() for x in v])}")
+    for k, _ in KINDS:
+        print(f"  {k:9s} {pcts(ledger.latency[k])}")
+    print(f"accepted (200): {accepted}; ended: finished {ends['finished']} + error event {ends['errored']} + "
+          f"hung up by the client {ends['hung_up']} = {closed}; lost {ends['lost']}")
+    print("timed out (finish_reason length + timed_out): " + (", ".join(f"{k} {n}" for k, n in ledger.timed_out.items())
+                                                             or "none") + f" (server counter {m['timed_out']:.0f})")
+    print(f"server ledger: generations submitted {m['submitted']:.0f}, ended {m['ended']:.0f} {m['ended_by']}; "
+          f"in flight {m['in_flight']:.0f}, active rows {m['active']:.0f}, queue {m['queue']:.0f}")
+    print(f"access lines for /v1/*: {len(access)} for {ledger.answered_v1} requests answered "
+          f"(by status {dict(sorted(access_by_status.items()))}); log lines not JSON: {len(not_json)}; "
+          f"key in the log: {key_leaked}")
+    print(f"server RSS: start {rss_start / mib:.0f} MiB (after compiling), end {rss_end / mib:.0f} MiB, "
+          f"peak {rss_peak / mib:.0f} MiB; exit code after SIGTERM {code}")
+    if ledger.unexpected:
+        print("unexpected:\n  " + "\n  ".join(ledger.unexpected))
+    if not_json:
+        print("log lines that are not JSON (written past the logging setup):\n  " + "\n  ".join(not_json[:5]))
+    lost = bool(ends["lost"] or m["submitted"] != m["ended"] or m["in_flight"] or m["active"] or m["queue"]
+                or len(access) != ledger.answered_v1 or accepted != closed or key_leaked)
+    summary = {"minutes": args.soak, "clients": args.soak_clients, "sent": dict(ledger.sent),
+               "status": {str(k): v for k, v in ledger.status.items()}, "ended": dict(ends),
+               "timed_out": dict(ledger.timed_out), "server": {k: v for k, v in m.items() if k != "ended_by"},
+               "access_lines": len(access), "answered_v1": ledger.answered_v1, "rss_start_mib": rss_start / mib,
+               "rss_end_mib": rss_end / mib, "rss_peak_mib": rss_peak / mib, "lost": lost}
+    print(json.dumps(summary))
+    print("soak: " + ("SOMETHING WAS LOST" if lost else "nothing lost: every accepted request ended exactly once"))
+    return 1 if lost else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.pass_scaling:
         pass_scaling(args)
         return
+    if args.soak is not None:
+        raise SystemExit(soak(args))
     proc, port, ready_s = start_server(args)
     print(f"server ready after {ready_s:.1f} s (load + compile of every bucket)")
     rows = []

@@ -362,9 +362,15 @@ def test_disconnect_frees_the_row(server):
     finally:
         eng.cancel = cancel  # type: ignore[method-assign]
     assert len(cancelled) == 1, "the server did not cancel the request of a client that hung up"
-    while eng.stats().active_rows and time.monotonic() < deadline:
+
+    def gauge(name: str) -> float:  # what /metrics says: the row count an operator sees
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    while (gauge("clover_active_rows") or gauge("clover_generations_in_flight")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert eng.stats().active_rows == 0
+    assert gauge("clover_active_rows") == 0 and gauge("clover_generations_in_flight") == 0
     out = client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=16)
     assert out.choices[0].text == _alone_text(eng, tok, "ROMEO:", 16)
 

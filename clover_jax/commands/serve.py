@@ -3,20 +3,37 @@
     clover serve --port 8000
     curl localhost:8000/v1/completions -d '{"prompt": "Once upon a time", "max_tokens": 64}'
 
+    CLOVER_API_KEY=$(cat key) clover serve --host 0.0.0.0     # on a network: with an API key
+    curl HOST:8000/v1/models -H "Authorization: Bearer $(cat key)"
+
 Every batch bucket's programs are compiled before the socket listens; "clover serve: listening on
 http://HOST:PORT" on stderr says the server is ready (with --port 0 it names the port picked).
 SIGTERM or SIGINT drains: new requests get 503 while the engine finishes everything it holds and the
 streams in flight are sent to the end, then the server exits ("clover serve: drained, exiting"). A
 second signal exits at once. Needs the `serve` extra: pip install 'clover-jax[serve]'.
+
+On a network: API keys (--api-key, --api-key-file, CLOVER_API_KEY; any of them is accepted as
+`Authorization: Bearer KEY` on every route but /health, 401 otherwise; without one, a host other
+than loopback gets a warning line). Limits: --max-body-bytes (413), --max-messages, --max-n (n > 1
+is served, one engine row per choice, up to this; more is a 400), --max-prompt / --max-tokens (400),
+--queue-size (429), --request-timeout (a request still generating then ends: its unfinished choices
+get finish_reason "length" with the text so far and the response / final chunk says
+"timed_out": true; its rows free at the next block boundary). Every request gets one access line
+(request id, also sent back as X-Request-Id, method, path, status, tokens in / out, passes, queue
+and run time) in --log-format text (key=value) or json (one object per line).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
+import ipaddress
 import os
+import re
 import socket
-import sys
+import stat
 import threading
 from typing import Any
 
@@ -27,6 +44,10 @@ from clover_jax.mesh.layouts import add_mesh_argument
 CACHE_MODES = ("auto", "none", "prefix")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 GRACEFUL_S = 30  # after the drain: how long responses still being sent may take before they are cut
+LOG_FORMATS = ("text", "json")
+API_KEY_ENV = "CLOVER_API_KEY"
+KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space: what a Bearer token can carry as is
+REQUEST_TIMEOUT_S = 600.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +71,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", choices=CACHE_MODES, default="auto",
                    help="auto (default): the exact prefix cache for block-causal models, none otherwise")
     p.add_argument("--dispatch", default=None, help="MoE dispatch (default: the model's, or the mesh's)")
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level of every line (default info; warning hides the access lines)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text: 'clover serve: ...' lines, access lines as key=value; json: one object per line "
+                        "(default text)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="accept requests that send 'Authorization: Bearer KEY' (repeatable; every route but "
+                        "/health then needs one). A key here shows in `ps`: prefer --api-key-file or the "
+                        f"{API_KEY_ENV} environment variable. Make one: python -c 'import secrets; "
+                        "print(secrets.token_urlsafe(32))'")
+    p.add_argument("--api-key-file", action="append", default=None, metavar="FILE",
+                   help="read API keys from FILE, one per line (blank lines and lines starting with # ignored; "
+                        "repeatable); keys of all sources are accepted")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body in bytes; a larger one gets HTTP 413 before it is read "
+                        "(default 1048576)")
+    p.add_argument("--max-messages", type=int, default=256, metavar="N",
+                   help="most messages a chat completion may send (default 256)")
+    p.add_argument("--max-n", type=int, default=8, metavar="N",
+                   help="most choices (n) per request; each runs in its own batch row and takes a queue place, "
+                        "and more is HTTP 400 (default 8; 1 refuses n > 1)")
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="S",
+                   help="seconds a request may take from arrival; then its unfinished choices end with "
+                        "finish_reason 'length' (the text so far), the response or its final chunk says "
+                        "\"timed_out\": true, and its rows free at the next block boundary "
+                        f"(default {REQUEST_TIMEOUT_S:g}; 0: no deadline)")
     add_mesh_argument(p)
     p.set_defaults(func=run)
 
@@ -62,9 +108,14 @@ def check_flags(args: argparse.Namespace) -> None:
     if any(b < 1 for b in args.batch_sizes):
         raise UsageError(f"--batch-sizes must all be >= 1, got {' '.join(map(str, args.batch_sizes))}")
     for flag, value in (("--block-length", args.block_length), ("--max-prompt", args.max_prompt),
-                        ("--max-tokens", args.max_tokens), ("--queue-size", args.queue_size)):
+                        ("--max-tokens", args.max_tokens), ("--queue-size", args.queue_size),
+                        ("--max-messages", args.max_messages), ("--max-n", args.max_n)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.max_body_bytes < 1024:
+        raise UsageError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if not (args.request_timeout >= 0 and args.request_timeout < float("inf")):
+        raise UsageError(f"--request-timeout must be a number of seconds >= 0 (0: none), got {args.request_timeout}")
     if args.dispatch is not None:
         from clover_jax.model.moe import get_dispatch
 
@@ -105,8 +156,77 @@ def url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _say(message: str) -> None:
-    print(f"clover serve: {message}", file=sys.stderr, flush=True)
+_LOG = {"format": "text"}  # --log-format of this process's server (`run` sets it)
+
+
+def _say(message: str, level: str = "info") -> None:
+    from clover_jax.serving.logs import say
+
+    say(message, _LOG["format"], level)
+
+
+def _check_key(key: str, where: str) -> str:
+    """`key`, or UsageError naming `where` (never the key) when it cannot be sent as a Bearer token."""
+    if not KEY_CHARS.fullmatch(key):
+        raise UsageError(f"the API key of {where} is empty or has a space, a control or a non-ASCII character")
+    return key
+
+
+def read_key_file(path: str) -> list[str]:
+    """The keys of an --api-key-file: one per line, blank lines and lines starting with # skipped.
+    UsageError when it cannot be read or holds no key (messages never show a key)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        mode = os.stat(path).st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or e.__class__.__name__
+        raise UsageError(f"--api-key-file {path}: cannot read it ({why})") from None
+    keys = [_check_key(line.strip(), f"--api-key-file {path} line {i}")
+            for i, line in enumerate(lines, 1) if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise UsageError(f"--api-key-file {path} holds no key")
+    if mode & stat.S_IROTH:
+        _say(f"--api-key-file {path} is readable by every user (chmod 600 it)", "warning")
+    return keys
+
+
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[str]:
+    """Every key the server accepts: --api-key flags, --api-key-file files and $CLOVER_API_KEY (one key;
+    an empty variable counts as unset), duplicates dropped. UsageError for a key that cannot be sent."""
+    env = os.environ if environ is None else environ
+    keys = [_check_key(k, f"--api-key #{i}") for i, k in enumerate(args.api_key or [], 1)]
+    for path in args.api_key_file or []:
+        keys += read_key_file(path)
+    if env.get(API_KEY_ENV, "").strip():
+        keys.append(_check_key(env[API_KEY_ENV].strip(), f"${API_KEY_ENV}"))
+    return list(dict.fromkeys(keys))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a --host value) only listens on this machine."""
+    if host.strip().lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, keys: list[str]) -> str | None:
+    """The warning line for a server reachable from other machines without an API key (else None)."""
+    if keys or is_loopback(host):
+        return None
+    return (f"listening on {host} without an API key: anyone who can reach this port can use the model "
+            f"(--api-key-file FILE, --api-key KEY or ${API_KEY_ENV})")
+
+
+def limits(args: argparse.Namespace) -> Any:
+    """The api.Limits of the flags."""
+    from clover_jax.serving.api import Limits
+
+    return Limits(max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_n=args.max_n,
+                  request_timeout_s=args.request_timeout or None)
 
 
 def _compiled(line: str) -> None:
@@ -138,10 +258,15 @@ def run(args: argparse.Namespace) -> int:
     """Check the flags, reserve the port, load and compile, then serve until a signal has drained it."""
     check_flags(args)
     check_installed()
+    _LOG["format"] = args.log_format
+    keys = api_keys(args)
+    warning = exposure_warning(args.host, keys)
+    if warning:
+        _say(warning, "warning")
     sock = bind(args.host, args.port)  # a busy port fails now, not after minutes of compiling
     try:
         model = args.model or gen_cmd.default_model()
-        cfg, weights, tok, mesh = gen_cmd.load(model, args.mesh)
+        cfg, weights, tok, mesh = _load(model, args.mesh)
         from clover_jax.serving.engine import Engine
 
         stored = gen_cmd.model_sampler_defaults(model) if os.path.isdir(model) else {}
@@ -154,9 +279,26 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(weights, cfg, **engine_kwargs(args, mesh))
         engine.warm_up(_compiled)
         engine.start()
-        return _serve(engine, tok, cfg.name, sock, args.log_level, defaults)
+        return _serve(engine, tok, cfg.name, sock, args.log_level, defaults, limits=limits(args), api_keys=keys,
+                      log_format=args.log_format)
     finally:
         sock.close()
+
+
+def _load(model: str, mesh: Any) -> tuple[Any, Any, Any, Any]:
+    """generate.load; with --log-format json, the lines it prints ("clover generate: loading ...") are
+    re-said as JSON lines, so that every line on stderr parses."""
+    if _LOG["format"] == "text":
+        return gen_cmd.load(model, mesh)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return gen_cmd.load(model, mesh)
+    finally:
+        for line in said.getvalue().splitlines():
+            text = line.removeprefix("clover generate: ")
+            warning = text.startswith("warning: ")
+            _say(text.removeprefix("warning: "), "warning" if warning else "info")
 
 
 class Drainer:
@@ -205,15 +347,18 @@ class Drainer:
 
 
 def _serve(engine: Any, tok: Any, model_name: str, sock: socket.socket, log_level: str,
-           defaults: dict[str, Any] | None = None) -> int:
+           defaults: dict[str, Any] | None = None, *, limits: Any = None, api_keys: list[str] | None = None,
+           log_format: str = "text") -> int:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
     from clover_jax.serving.api import make_app
+    from clover_jax.serving.logs import uvicorn_log_config
 
     # sse-starlette would cut every open stream as soon as uvicorn begins to exit; the drain lets them end.
     AppStatus.disable_automatic_graceful_drain()
-    app = make_app(engine, tok, model_name, log=lambda m: _say(f"error: {m}"), defaults=defaults)
+    app = make_app(engine, tok, model_name, log=lambda m: _say(m, "error"), defaults=defaults, limits=limits,
+                   api_keys=api_keys or ())
     drainer = Drainer(app, engine)
     address = url(sock)
 
@@ -228,7 +373,10 @@ def _serve(engine: Any, tok: Any, model_name: str, sock: socket.socket, log_leve
             if self.started:
                 _say(f"listening on {address}")
 
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_S)
+    # uvicorn's own access log is off: Guard writes one access line per request instead (never a header)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=GRACEFUL_S,
+                            log_config=uvicorn_log_config(log_format, log_level), access_log=False,
+                            server_header=False)
     server = DrainingServer(config)
     try:
         server.run(sockets=[sock])

@@ -8,7 +8,8 @@ Contract:
   * `submit(request, on_event)` validates the request (BadRequest), queues it (QueueFull when the queue
     holds `queue_size`, Draining once `drain` began) and returns its id. `on_event(Event)` is called
     from the scheduler thread after every block the request committed; its last event has a
-    finish_reason ("stop", "length", "cancelled", or "error" if the device program failed);
+    finish_reason ("stop", "length", "cancelled", or "error" if the device program failed) and every
+    event says how long the request waited for a row (`Event.queued_s`);
   * between two block calls the scheduler admits queued requests into free rows (their prompt is
     prefilled then) and drops cancelled ones; running rows stay in [0, n) and the call runs the
     smallest bucket that holds n, so one request alone runs at batch 1;
@@ -76,6 +77,8 @@ class _Job:
     produced: int = 0
     passes: int = 0
     cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+    queued_s: float = 0.0  # seconds from `submit` until it got a row (until now while it waits)
 
 
 @dataclass
@@ -258,7 +261,7 @@ class Engine:
                 job = None
             self._lock.notify_all()
         if job is not None:
-            _deliver(job, Event((), "cancelled", 0))
+            _deliver(job, Event((), "cancelled", 0, time.monotonic() - job.submitted))
 
     def stats(self) -> EngineStats:
         """The counters now."""
@@ -311,6 +314,7 @@ class Engine:
                 while self._queue and self._n_running() < self.capacity:
                     slot = self._n_running()
                     job = self._queue.popleft()
+                    job.queued_s = time.monotonic() - job.submitted
                     self._slots[slot] = job
                     admitted.append((slot, job))
                     self._count.admitted += 1
@@ -352,7 +356,7 @@ class Engine:
                 if job is None:
                     continue
                 if not keep[slot]:
-                    events.append((job, Event((), "cancelled", job.passes)))
+                    events.append((job, Event((), "cancelled", job.passes, job.queued_s)))
                     self._free(slot)
                     continue
                 job.passes += int(row_passes[slot])
@@ -369,7 +373,7 @@ class Engine:
                     reason = reason or "length"
                 job.produced += len(new)
                 c.tokens += len(new)
-                events.append((job, Event(tuple(new), reason, job.passes)))
+                events.append((job, Event(tuple(new), reason, job.passes, job.queued_s)))
                 if reason is not None:
                     self._free(slot)
             self._compact()
@@ -407,7 +411,7 @@ class Engine:
         except Exception:
             logging.getLogger(__name__).exception("cannot rebuild the engine state")
         for job in jobs:
-            _deliver(job, Event((), "error", job.passes))
+            _deliver(job, Event((), "error", job.passes, job.queued_s))
 
 
 def _deliver(job: _Job, event: Event) -> None:

@@ -75,6 +75,9 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._requests: dict[tuple[str, str], int] = {}
+        self._submitted = 0
+        self._ended: dict[str, int] = {}
+        self._timed_out = 0
         self.latency = Histogram(LATENCY_BUCKETS)
         self.first_block = Histogram(FIRST_BLOCK_BUCKETS)
 
@@ -83,6 +86,27 @@ class Metrics:
         with self._lock:
             key = (endpoint, str(status))
             self._requests[key] = self._requests.get(key, 0) + 1
+
+    def count_submitted(self) -> None:
+        """One generation (a choice) the engine took."""
+        with self._lock:
+            self._submitted += 1
+
+    def count_ended(self, finish_reason: str) -> None:
+        """The engine's final event of one generation (called from the engine's thread)."""
+        with self._lock:
+            self._ended[finish_reason] = self._ended.get(finish_reason, 0) + 1
+
+    def count_timeout(self) -> None:
+        """One HTTP request that passed its deadline (`--request-timeout`)."""
+        with self._lock:
+            self._timed_out += 1
+
+    def generations(self) -> tuple[int, int]:
+        """(submitted, ended): every generation submitted ends in exactly one final engine event, so once
+        the server is idle the two are equal."""
+        with self._lock:
+            return self._submitted, sum(self._ended.values())
 
     def observe_generation(self, first_block_s: float, total_s: float) -> None:
         """One finished generation: seconds to its first block and in all."""
@@ -100,6 +124,18 @@ class Metrics:
             lines += _family("clover_time_to_first_block_seconds", "histogram",
                              "Seconds from a generation request's arrival to its first committed block",
                              self.first_block.samples())
+            ended = sum(self._ended.values())
+            lines += _family("clover_generations_submitted_total", "counter",
+                             "Generations (choices) the HTTP layer submitted to the engine",
+                             [("", {}, self._submitted)])
+            lines += _family("clover_generations_ended_total", "counter",
+                             "Generations whose final engine event arrived, by finish reason",
+                             [("", {"finish_reason": r}, n) for r, n in sorted(self._ended.items())])
+            lines += _family("clover_generations_in_flight", "gauge",
+                             "Generations submitted whose final engine event has not arrived yet",
+                             [("", {}, self._submitted - ended)])
+            lines += _family("clover_requests_timed_out_total", "counter",
+                             "HTTP requests that passed the server's --request-timeout", [("", {}, self._timed_out)])
         if stats is not None:
             lines += engine_lines(stats)
         return "\n".join(lines) + "\n"

@@ -15,6 +15,8 @@ from typing import NamedTuple
 from clover_jax.errors import CloverError
 from clover_jax.sampler.scoring import REMASKING
 
+MAX_INT32 = 2**31 - 1  # top_k travels to the device as an int32
+
 
 class ServingError(CloverError):
     """A request the engine cannot take (the HTTP layer answers it with a 4xx)."""
@@ -63,7 +65,8 @@ class Request:
         need(math.isfinite(self.temperature) and self.temperature >= 0,
              f"temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        need(isinstance(self.top_k, int) and 0 <= self.top_k <= MAX_INT32,
+             f"top_k must be an integer in [0, {MAX_INT32}], got {self.top_k!r}")
         need(self.threshold == 0 or 0 < self.threshold <= 1,
              f"threshold must be in (0, 1] (or 0 = off), got {self.threshold}")
         need(self.steps is None or (isinstance(self.steps, int) and 1 <= self.steps <= block_length),
@@ -80,9 +83,11 @@ class Event(NamedTuple):
     finish_reason: None while the request runs, "stop" (end token), "length" (max_tokens reached)
       or "cancelled"; the last event of a request always has one;
     passes: forward passes the request took part in so far (the steps in which its block still had masks;
-      the prompt's prefill not counted).
+      the prompt's prefill not counted);
+    queued_s: seconds the request waited in the queue for a batch row (0.0 from an engine that does not say).
     """
 
     tokens: tuple[int, ...]
     finish_reason: str | None
     passes: int
+    queued_s: float = 0.0
