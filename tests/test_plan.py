@@ -1,5 +1,7 @@
 """`clover plan`: AOT compile for a TPU topology (needs libtpu, no TPU), GPU plans by arithmetic."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -84,3 +86,106 @@ def test_plan_rejects_bad_requests_before_compiling():
         clover_plan.make_plan(cfg, layouts.load_layout("cpu-8"), seq_len=64)
     with pytest.raises(clover_plan.PlanError, match="unknown MoE dispatch 'nope'"):
         clover_plan.make_plan(cfg, layouts.load_layout("gpu-8xh100"), seq_len=64, dispatch="nope")
+
+
+# ---- --generate / --serve: the whole programs ---------------------------------------------------
+
+_MB = r"([0-9.]+) MB"
+
+
+def _figures(text, label):
+    """The MB figures of the first 'HBM per chip (compiler)' line after `label`."""
+    line = next(ln for ln in text[text.index(label):].splitlines() if "HBM per chip (compiler)" in ln)
+    names = ("total", "arguments", "outputs", "temporaries", "aliased", "code")
+    pattern = (rf"HBM per chip \(compiler\): {_MB} of .*= arguments {_MB} \+ outputs {_MB} \+ temporaries {_MB}"
+               rf" - aliased {_MB} \+ code {_MB}")
+    return dict(zip(names, map(float, re.search(pattern, line).groups()), strict=True))
+
+
+def _hybrid_cache_bytes(rows, columns):
+    """test-clover-hybrid's cache, counted by hand: 1 attention layer's float32 K/V (2 KV heads x 16), and
+    3 Gated DeltaNet layers' state (4 value heads x 16 x 8, float32) and conv tail (2 columns x 96 channels)."""
+    kv = 2 * 1 * rows * columns * 2 * 16 * 4
+    state = 3 * rows * (4 * 16 * 8 * 4 + 2 * (2 * 2 * 16 + 4 * 8) * 4)
+    return kv + state
+
+
+@needs_libtpu
+def test_plan_generate_compiles_the_whole_sampler_program(tmp_path, capsys):
+    from clover_jax import cli
+
+    _tpu_layout(tmp_path)
+    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), "--generate",
+            "--prompt-len", "60", "--gen-len", "32", "--batch", "2"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    # the sampler's own buckets: 60 prompt tokens -> 64 columns (blocks of 8, a power of two of them)
+    assert "request: 2 rows, prompt 60 tokens (64 columns), 32 generated (32 columns), blocks of 8" in text
+    assert "sampler.generate.PROGRAM_JIT" in text and "cache prefix (auto)" in text
+    cache = _hybrid_cache_bytes(2, 64 + 32)
+    assert f"cache (prefix): {cache / 1e6:.2f} MB for 2 rows x 96 columns" in text
+    m = _figures(text, "program 'generate'")
+    weights_chip = float(re.search(rf"; {_MB} per chip\n", text).group(1))
+    assert m["arguments"] >= weights_chip > 0  # the weights are arguments of the program
+    assert m["temporaries"] >= cache / 1e6  # the cache is allocated inside it
+    assert m["total"] == pytest.approx(m["arguments"] + m["outputs"] + m["temporaries"] - m["aliased"] + m["code"],
+                                       abs=0.03)
+    assert re.search(r"refinement pass \(2 rows x 8 tokens against 96 columns\).*HBM-bound", text)
+    assert "decode: ~" in text and "verdict: FITS" in text
+
+
+@needs_libtpu
+def test_plan_serve_compiles_the_block_and_prefill_programs(tmp_path, capsys):
+    from clover_jax import cli
+
+    _tpu_layout(tmp_path)
+    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), "--serve",
+            "--prompt-len", "40", "--gen-len", "16", "--batch", "2"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    # the engine's columns: 40 -> 40 prompt columns + 16 generated, blocks of 8; its widest prefill: 48 columns
+    assert "engine's block program (serving.program.advance) for 2 rows x 56 columns" in text
+    assert "one prompt of up to 48 columns" in text
+    cache = _hybrid_cache_bytes(2, 56)
+    assert f"cache (prefix): {cache / 1e6:.2f} MB for 2 rows x 56 columns" in text
+    block, prefill = _figures(text, "program 'serve block'"), _figures(text, "program 'serve prefill'")
+    for m in (block, prefill):
+        # the state (with its cache) is an argument, donated: aliased to the output
+        assert m["arguments"] >= cache / 1e6 and m["aliased"] >= cache / 1e6 - 0.01
+    assert "verdict: FITS: the TPU compiler placed the serve programs" in text
+
+
+@needs_libtpu
+def test_plan_generate_that_does_not_fit_exits_3(tmp_path, capsys):
+    from clover_jax import cli
+
+    _tpu_layout(tmp_path)
+    # 16384 rows: the prefill's float32 attention scores alone are ~19 GB per 16 GB chip
+    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), "--generate",
+            "--prompt-len", "448", "--gen-len", "64", "--batch", "16384"]
+    assert cli.main(argv) == 3
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "verdict: DOES NOT FIT on small-tpu" in text
+
+
+def test_plan_generate_rejects_bad_requests_with_exit_2(capsys):
+    from clover_jax import cli
+
+    base = ["plan", "--config", "test-clover-hybrid", "--mesh", "gpu-8xh100"]
+    assert cli.main([*base, "--generate", "--prompt-len", "500", "--gen-len", "32"]) == 2  # > max_seq_len 512
+    assert "max_seq_len" in capsys.readouterr().err
+    assert cli.main([*base, "--prompt-len", "64"]) == 2  # a program size without --generate / --serve
+    assert "add --generate or --serve" in capsys.readouterr().err
+    assert cli.main([*base, "--serve", "--gen-len", "0"]) == 2
+    assert "--gen-len must be a positive integer" in capsys.readouterr().err
+
+
+def test_plan_generate_by_arithmetic_on_gpu():
+    cfg = get_config("clover-35b-a3b")
+    plan = clover_plan.plan_generate(cfg, layouts.load_layout("gpu-8xh100"), prompt_len=4096, gen_len=128, batch=1)
+    assert plan.method == "arithmetic" and plan.fits and plan.cache == "prefix"
+    assert (plan.prompt_cols, plan.gen_cols, plan.cache_columns) == (4096, 128, 4224)
+    # a cached refinement pass of one 32-token block is HBM-bound; it reads less than all weights (~64% of experts)
+    refine = plan.passes["refine"]
+    assert refine.bound(plan.chip)[1] == "HBM-bound" and refine.weight_bytes < plan.weights_per_chip
+    assert plan.tokens_per_s() > 0

@@ -1,4 +1,6 @@
-"""`clover plan`: does a config fit a mesh layout, and what does one denoising pass cost?
+"""`clover plan`: does a config fit a mesh layout, and what does one denoising pass cost? With
+`--generate` / `--serve`: do the whole programs `clover generate` / `clover serve` run fit, and how fast
+can they go?
 
 Exit status: 0 when the plan fits the chips' memory, 3 when it does not (2: bad input), so scripts can
 branch on it. Long stages (the AOT compile) report their elapsed time every 15 s.
@@ -13,10 +15,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from clover_jax.config import QUANTIZATIONS, load_config
+from clover_jax.config import QUANTIZATIONS, ModelConfig, load_config
 from clover_jax.errors import PlanError
-from clover_jax.mesh.layouts import load_layout
-from clover_jax.plan import format_plan, make_plan
+from clover_jax.mesh.layouts import Layout, load_layout
+from clover_jax.model.moe import get_dispatch
+from clover_jax.plan import format_plan, format_program_plan, make_plan, plan_generate, plan_serve
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,14 +36,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help="canvas / KV-cache length in tokens (default: 4096, or the config's max_seq_len if smaller)")
     p.add_argument("--block", type=int, default=None, help="block length (default: the config's block_size)")
-    p.add_argument("--dispatch", default="ep_gather",
-                   help="MoE dispatch to compile (ep_gather, ep_a2a, ep_ragged_a2a, ragged, ...; default ep_gather)")
+    p.add_argument("--dispatch", default=None,
+                   help="MoE dispatch to compile (ep_gather, ep_a2a, ep_ragged_a2a, ragged, ...; default: ep_gather "
+                        "for the pass plan, the sampler's / engine's own choice for --generate / --serve)")
     p.add_argument("--chip", default=None, help="chip for the roofline if the layout names none (v5e, v5p, v6e, "
                                                 "h100, h200)")
     p.add_argument("--dtype", default=None, help="override the config's dtype (e.g. bfloat16)")
     p.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
                    help="plan the config with weight-only int8 / fp8 matmul weights (default: the config's own)")
     p.add_argument("--no-compile", action="store_true", help="TPU layouts: arithmetic only, skip the AOT compile")
+    whole = p.add_argument_group(
+        "whole programs", "compile what runs instead of two single passes: the sampler's whole generate loop, or "
+                          "the serving engine's block and prefill programs")
+    mode = whole.add_mutually_exclusive_group()
+    mode.add_argument("--generate", action="store_true",
+                      help="plan `clover generate`: the sampler's compiled loop for --batch prompts of --prompt-len "
+                           "tokens and --gen-len new ones")
+    mode.add_argument("--serve", action="store_true",
+                      help="plan `clover serve`: the engine's block program for --batch rows (prompts up to "
+                           "--prompt-len, up to --gen-len new tokens) and its widest prefill program")
+    whole.add_argument("--prompt-len", type=int, default=None,
+                       help="prompt tokens (--serve: the longest prompt; default 4096, or what fits the config's "
+                            "max_seq_len with --gen-len)")
+    whole.add_argument("--gen-len", type=int, default=None, help="generated tokens (--serve: the most; default 128)")
+    whole.add_argument("--cache", default="auto", choices=("auto", "none", "prefix", "dual"),
+                       help="the sampler's cache mode (default auto: prefix for block-causal models, else none)")
     p.set_defaults(func=run)
 
 
@@ -52,13 +72,41 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize:
         cfg = cfg.replace(quantization=args.quantize)
     layout = load_layout(args.mesh)
+    if args.generate or args.serve:
+        return run_program_plan(args, cfg, layout)
+    given = [f for f, v in (("--prompt-len", args.prompt_len), ("--gen-len", args.gen_len)) if v is not None]
+    if given or args.cache != "auto":
+        raise PlanError(f"{', '.join(given) or '--cache'} plan{'s' if len(given) < 2 else ''} a whole program: "
+                        "add --generate or --serve")
     seq_len = min(4096, cfg.max_seq_len) if args.seq_len is None else args.seq_len
     if seq_len <= 0 or (args.batch is not None and args.batch <= 0):
         raise PlanError("--seq-len and --batch must be positive")
     with stages() as stage:
         plan = make_plan(cfg, layout, batch=args.batch, seq_len=seq_len, block=args.block,
-                         dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip, progress=stage)
+                         dispatch=args.dispatch or "ep_gather", compile_tpu=not args.no_compile, chip=args.chip,
+                         progress=stage)
     print(format_plan(plan))
+    return 0 if plan.fits else 3
+
+
+def run_program_plan(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) -> int:
+    """`--generate` / `--serve`: compile the whole program for the layout and print its report; 0 when it
+    fits, 3 when it does not (bad sizes raise a CloverError: exit 2)."""
+    if args.seq_len is not None:
+        raise PlanError("--seq-len sizes the pass plan; with --generate / --serve give --prompt-len and --gen-len")
+    if args.dispatch is not None:
+        try:
+            get_dispatch(args.dispatch)
+        except ValueError as e:
+            raise PlanError(str(e)) from e
+    gen_len = 128 if args.gen_len is None else args.gen_len
+    prompt_len = min(4096, cfg.max_seq_len - gen_len) if args.prompt_len is None else args.prompt_len
+    plan_fn = plan_generate if args.generate else plan_serve
+    with stages() as stage:
+        plan = plan_fn(cfg, layout, prompt_len=prompt_len, gen_len=gen_len, batch=args.batch, block=args.block,
+                       cache=args.cache, dispatch=args.dispatch, compile_tpu=not args.no_compile, chip=args.chip,
+                       progress=stage)
+    print(format_program_plan(plan))
     return 0 if plan.fits else 3
 
 

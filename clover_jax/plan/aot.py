@@ -131,10 +131,17 @@ def abstract_inputs(cfg: ModelConfig, p: PassShape, mesh: Any, rules: ShardingRu
 def compile_pass(cfg: ModelConfig, p: PassShape, mesh: Any, rules: ShardingRules, weight_structs: Any,
                  dispatch: str) -> Compiled:
     """AOT-compile one pass for the mesh's devices; a compiler OOM comes back as ok=False."""
-    t0 = time.perf_counter()
     args = (weight_structs, *abstract_inputs(cfg, p, mesh, rules))
+    jitted = jax.jit(_pass_fn(cfg, p, dispatch, MeshRules(mesh, rules)), donate_argnums=(4,) if p.cached else ())
+    return compile_jitted(jitted, args, mesh)
+
+
+def compile_jitted(jitted: Any, args: tuple, mesh: Any) -> Compiled:
+    """`jitted.lower(*args).compile()` for the devices of `mesh` (args: abstract values, static ones as the
+    function takes them), with the compiler's memory and cost analyses; a compiler "out of memory" comes
+    back as ok=False with its first line, any other failure is raised."""
+    t0 = time.perf_counter()
     try:
-        jitted = jax.jit(_pass_fn(cfg, p, dispatch, MeshRules(mesh, rules)), donate_argnums=(4,) if p.cached else ())
         compiled = jitted.lower(*args).compile()
     except Exception as e:  # the TPU compiler reports OOM as a JaxRuntimeError / XlaRuntimeError
         msg = str(e)

@@ -87,6 +87,38 @@ def weight_bytes_per_chip(cfg: ModelConfig, shardings: Any, mesh_shape: dict[str
     return total, per_chip
 
 
+def weight_bytes_by_kind(cfg: ModelConfig, shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int]:
+    """Bytes one chip holds, by kind: `experts` (routed expert weights and their scales: a pass reads
+    those of the experts its tokens route to), `embedding` (the untied input table: a pass gathers one
+    row per token) and `other` (read whole by every pass). The three sum to `weight_bytes_per_chip`'s
+    second figure."""
+    out = {"experts": 0, "embedding": 0, "other": 0}
+    pairs = zip(params.named_leaves(params.abstract(cfg)), params.named_leaves(shardings), strict=True)
+    for (name, spec), (_, sh) in pairs:
+        nbytes = spec.size * np.dtype(spec.dtype).itemsize // mesh_factor(sh.spec, mesh_shape)
+        kind = ("experts" if "experts" in spec.axes
+                else "embedding" if name.split(".")[0] == "embed" and not cfg.tie_embeddings else "other")
+        out[kind] += nbytes
+    return out
+
+
+def weights_touched_per_chip(cfg: ModelConfig, by_kind: dict[str, int], tokens: int) -> float:
+    """Expected weight bytes a pass over `tokens` tokens (all rows) reads on one chip: everything in
+    `other`, each local expert with the probability that some token routes to it (`experts_touched`,
+    uniform routing), and `tokens` rows of the input embedding (at most the whole local table)."""
+    emb_rows = min(1.0, tokens / cfg.vocab_size)
+    return float(by_kind["other"] + by_kind["experts"] * experts_touched(cfg, tokens) + by_kind["embedding"] * emb_rows)
+
+
+def cache_bytes_per_chip(cfg: ModelConfig, layout: Layout, rows: int, columns: int) -> int:
+    """Bytes of a cache of `rows` x `columns` one chip holds: the attention K/V split as its logical axes
+    ([layers, batch, seq, kv_heads, head_dim]) map onto the layout, the Gated DeltaNet state split by
+    batch only (as `serving.program.state_shardings` places it)."""
+    kv = cache_bytes(cfg, rows, columns) - rows * linear_state_bytes(cfg)
+    kv_split = shards(layout, "layers", "batch", "seq", "kv_heads", "head_dim")
+    return kv // kv_split + rows * linear_state_bytes(cfg) // shards(layout, "batch")
+
+
 def linear_state_bytes(cfg: ModelConfig) -> int:
     """Bytes one sequence's Gated DeltaNet layers hold, whatever its length: per layer the float32
     delta-rule state [Hv, dk, dv] and the conv tail [K-1, conv channels]."""

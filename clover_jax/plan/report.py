@@ -106,11 +106,9 @@ class Plan:
         return self.weights_per_chip + self.cache_per_chip + act
 
 
-def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq_len: int = 4096,
-              block: int | None = None, dispatch: str = "ep_gather", compile_tpu: bool = True,
-              chip: str | None = None, progress: Callable[[str], None] | None = None) -> Plan:
-    """Check the request, then plan (compile for TPU layouts when possible, else arithmetic)."""
-    say = progress or (lambda s: None)
+def resolve_chip(cfg: ModelConfig, layout: Layout, chip: str | None = None) -> Chip:
+    """The plan table's figures for `chip` (default the layout's); PlanError when the table has no such
+    chip or the config's fp8 weights need matrix units the chip lacks."""
     chip_key = chip or layout.chip
     if chip_key not in CHIPS:
         raise PlanError(f"layout {layout.name!r}: chip {chip_key!r} is not in the plan table; "
@@ -119,6 +117,15 @@ def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq
     if cfg.quantization == "fp8" and not spec_chip.fp8:
         raise PlanError(f"fp8 weights need fp8 matrix units, which {spec_chip.name} does not have; "
                         "plan int8 weights instead (--quantize int8)")
+    return spec_chip
+
+
+def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq_len: int = 4096,
+              block: int | None = None, dispatch: str = "ep_gather", compile_tpu: bool = True,
+              chip: str | None = None, progress: Callable[[str], None] | None = None) -> Plan:
+    """Check the request, then plan (compile for TPU layouts when possible, else arithmetic)."""
+    say = progress or (lambda s: None)
+    spec_chip = resolve_chip(cfg, layout, chip)
     block = block or cfg.block_size
     data = shards(layout, "batch")
     batch = batch or data

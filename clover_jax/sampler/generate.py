@@ -274,6 +274,11 @@ def prepare_batch(prompts: Sequence[Sequence[int]], block_length: int, cfg: Mode
 
 # ---- compiled programs -----------------------------------------------------------------------
 
+# The jitted sampling program: PROGRAM_JIT.lower(spec, forward_fn, weights, prompt, lengths, start, knobs)
+# is what `generate` compiles (`compiled_program`) and what `clover plan --generate` compiles for a TPU
+# topology without running it (`Prepared.abstract_args`).
+PROGRAM_JIT = jax.jit(run_program, static_argnums=(0, 1))
+
 _PROGRAMS: OrderedDict[Any, Any] = OrderedDict()  # least recently used first
 _MAX_PROGRAMS = 32
 _COMPILES = [0]
@@ -303,7 +308,7 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, bat
     if disk:
         exe, from_disk = _cached_program(spec, forward_fn, args)
     else:
-        exe = jax.jit(run_program, static_argnums=(0, 1)).lower(spec, forward_fn, *args).compile()
+        exe = PROGRAM_JIT.lower(spec, forward_fn, *args).compile()
     _PROGRAMS[key] = exe
     while len(_PROGRAMS) > _MAX_PROGRAMS:
         _PROGRAMS.popitem(last=False)
@@ -359,6 +364,55 @@ def knobs_for(sc: SamplerConfig, cfg: ModelConfig, n_blocks: int | None = None) 
                       sampled_confidence=resolve_rule(cfg, "confidence", sc.confidence) == "sampling")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request laid out for the compiled program (`prepare`): `PROGRAM_JIT.lower(spec, forward_fn,
+    *args)` with `args` = (weights, inputs.prompt, inputs.lengths, inputs.start, knobs) is the program
+    `generate` compiles and runs."""
+
+    spec: ProgramSpec
+    forward_fn: ForwardFn
+    inputs: Batch
+    knobs: Knobs
+
+    def abstract_args(self, weights: Any) -> tuple:
+        """The program's arguments after (spec, forward_fn) with the host arrays as unsharded
+        ShapeDtypeStructs (`generate` passes host arrays, which the compiled program places itself) and
+        `weights` as given (on a mesh: ShapeDtypeStructs in their shardings), for lowering without data."""
+        def aval(x: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
+
+        rest = (self.inputs.prompt, self.inputs.lengths, self.inputs.start, self.knobs)
+        return (weights, *jax.tree.map(aval, rest))
+
+
+def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfig, *,
+            forward_fn: ForwardFn | None = None, progress: bool = False, record_logits: bool = False,
+            batch: int | None = None, prompt_len: int | None = None, dispatch: str | None = None,
+            mesh: MeshRules | None = None) -> Prepared:
+    """Check a request (`validate`; SamplerError names the first problem) and lay it out: the static
+    `ProgramSpec`, the forward function, the bucketed host inputs and the traced knobs. Nothing is
+    traced or compiled. The arguments mean what they mean for `generate` (`progress`: whether a
+    progress callback is compiled in)."""
+    validate(cfg, sc, prompts)
+    if forward_fn is None:
+        if dispatch is None and mesh is not None:  # on a mesh: the expert-parallel strategy for it
+            dispatch = choose_dispatch(mesh)
+        forward_fn = ModelForward(cfg, dispatch, mesh)
+    grid = resolve_rule(cfg, "block_grid", sc.block_grid)
+    inputs = prepare_batch(prompts, sc.block_length, cfg, sc.gen_length, batch, prompt_len, mesh, grid)
+    if inputs.prompt.shape[1] < sc.block_length:  # the cached first step re-encodes the block before block 0
+        raise SamplerError(f"prompt_len={inputs.prompt.shape[1]} must be at least block_length ({sc.block_length})")
+    cache = resolve_cache(cfg, sc.cache)
+    if cache != "none" and not hasattr(forward_fn, "init_cache"):
+        raise SamplerError(f"cache={cache!r} needs a forward function with an init_cache(rows, length) method")
+    g = inputs.start.shape[1]
+    spec = ProgramSpec(cfg, inputs.prompt.shape[0], inputs.prompt.shape[1], g, sc.block_length, cache,
+                       guidance=sc.cfg_scale > 0, progress=progress, record_logits=record_logits,
+                       mesh=mesh, block_grid=grid)
+    return Prepared(spec, forward_fn, inputs, knobs_for(sc, cfg, g // sc.block_length))
+
+
 def generate(
     weights: Any,
     cfg: ModelConfig,
@@ -383,23 +437,9 @@ def generate(
     mesh: run sharded on this mesh (weights already in `model.weight_shardings` of it); None: one device.
     on_compile(message): called before a program is compiled (not when this process already has it).
     """
-    validate(cfg, sc, prompts)
-    if forward_fn is None:
-        if dispatch is None and mesh is not None:  # on a mesh: the expert-parallel strategy for it
-            dispatch = choose_dispatch(mesh)
-        forward_fn = ModelForward(cfg, dispatch, mesh)
-    grid = resolve_rule(cfg, "block_grid", sc.block_grid)
-    inputs = prepare_batch(prompts, sc.block_length, cfg, sc.gen_length, batch, prompt_len, mesh, grid)
-    if inputs.prompt.shape[1] < sc.block_length:  # the cached first step re-encodes the block before block 0
-        raise SamplerError(f"prompt_len={inputs.prompt.shape[1]} must be at least block_length ({sc.block_length})")
-    cache = resolve_cache(cfg, sc.cache)
-    if cache != "none" and not hasattr(forward_fn, "init_cache"):
-        raise SamplerError(f"cache={cache!r} needs a forward function with an init_cache(rows, length) method")
-    g = inputs.start.shape[1]
-    spec = ProgramSpec(cfg, inputs.prompt.shape[0], inputs.prompt.shape[1], g, sc.block_length, cache,
-                       guidance=sc.cfg_scale > 0, progress=progress is not None, record_logits=record_logits,
-                       mesh=mesh, block_grid=grid)
-    knobs = knobs_for(sc, cfg, g // sc.block_length)
+    prep = prepare(cfg, prompts, sc, forward_fn=forward_fn, progress=progress is not None,
+                   record_logits=record_logits, batch=batch, prompt_len=prompt_len, dispatch=dispatch, mesh=mesh)
+    spec, forward_fn, inputs, knobs = prep.spec, prep.forward_fn, prep.inputs, prep.knobs
     exe, compile_s, cached = compiled_program(spec, forward_fn, weights, inputs, knobs, on_compile)
     if progress is not None and inputs.tail.any():  # report each row's generated columns only
         user, tail = progress, inputs.tail

@@ -103,6 +103,22 @@ class ProgramSpec:
         """Generated blocks: gen_length / block_length."""
         return self.gen_length // self.block_length
 
+    @property
+    def extra_columns(self) -> int:
+        """Padding columns after the canvas: G for a bidirectional model's prefix cache (its fixed-width
+        [block j .. end] windows overhang the canvas), else 0."""
+        return self.gen_length if (self.cache == "prefix" and not self.model.is_block_causal) else 0
+
+    @property
+    def model_rows(self) -> int:
+        """Rows each forward pass runs (and the cache holds): 2B with guidance, else B."""
+        return 2 * self.batch if self.guidance else self.batch
+
+    @property
+    def cache_columns(self) -> int:
+        """Columns of the cache the program allocates (P + G + `extra_columns`); 0 with cache `none`."""
+        return 0 if self.cache == "none" else self.prompt_len + self.gen_length + self.extra_columns
+
 
 class Knobs(NamedTuple):
     """Traced sampling settings: changing any of them reuses the compiled program."""
@@ -194,7 +210,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     n_blocks = spec.n_blocks
     mode = spec.cache
     bidir = not cfg.is_block_causal
-    extra = g if (mode == "prefix" and bidir) else 0  # fixed-width [block j .. end] windows
+    extra = spec.extra_columns  # fixed-width [block j .. end] windows
     s = t + extra
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
     # prompt blocks: the model's blocks, or on the absolute grid the sampler's (LLaDA2 lays both from position 0)
@@ -312,7 +328,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     def outer_cond(st: _State) -> Array:
         return (st.block < n_blocks) & jnp.any(st.canvas[:, p:t] == mask_id)
 
-    n_rows = 2 * b if spec.guidance else b
+    n_rows = spec.model_rows
     cache = None
     nfe = jnp.int32(0)
     if mode != "none":

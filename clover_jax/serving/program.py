@@ -36,6 +36,7 @@ Cache modes (block-causal models only; the engine refuses bidirectional ones):
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -153,6 +154,51 @@ def empty_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, columns:
     knobs = RowKnobs(zf, zf + 1, zi, zf, zi + 1, zi, ~no, jnp.zeros((capacity,), jnp.uint32), zi + 1, no)
     # every leaf its own buffer: the programs donate the state
     return jax.tree.map(jnp.copy, SlotState(rep(canvas), rep(valid), rep(blocks), kv, no, no, zi, knobs))
+
+
+def abstract_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, columns: int, block_length: int,
+                   cache: str, mesh: MeshRules | None = None) -> SlotState:
+    """`empty_state`'s shapes as ShapeDtypeStructs (nothing allocated), in `state_shardings` on a mesh:
+    the state argument for lowering the programs without data."""
+    shapes = jax.eval_shape(lambda: empty_state(cfg, forward_fn, capacity, columns, block_length, cache))
+    if mesh is None:
+        return shapes
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                        state_shardings(shapes, mesh))
+
+
+def row_args(state: SlotState) -> tuple:
+    """The arguments of `admit` after the state, as unsharded ShapeDtypeStructs: slot [], canvas / valid /
+    blocks [S] and one row's knobs ([] leaves of the state's knob dtypes)."""
+    s = state.canvas.shape[1]
+    sds = jax.ShapeDtypeStruct
+    return (sds((), jnp.int32), sds((s,), jnp.int32), sds((s,), jnp.bool_), sds((s,), jnp.int32),
+            RowKnobs(*(sds((), x.dtype) for x in state.knobs)))
+
+
+def _jit(fn: Any, out_shardings: Any, mesh: MeshRules | None) -> Any:
+    kw = {} if mesh is None else {"out_shardings": out_shardings}
+    return jax.jit(fn, donate_argnums=(1,), **kw)
+
+
+def block_program(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str, rows: int,
+                  state: SlotState, mesh: MeshRules | None = None) -> Any:
+    """The jitted `advance` for rows [0, rows), as the engine compiles it: lower it with (weights, state,
+    keep [rows] bool); the state (argument 1) is donated and, on a mesh, handed back in its
+    `state_shardings` (`state` may be abstract) with the BlockOut replicated."""
+    where = None if mesh is None else state_shardings(state, mesh)
+    anywhere = None if mesh is None else mesh.sharding(())
+    fn = functools.partial(advance, cfg, forward_fn, block_length, cache, rows)
+    return _jit(fn, (where, BlockOut(*[anywhere] * 5)), mesh)
+
+
+def prefill_program(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str, width: int,
+                    state: SlotState, mesh: MeshRules | None = None) -> Any:
+    """The jitted `admit` for prompts in `width` columns (one of `prefill_widths`; any with cache `none`),
+    as the engine compiles it: lower it with (weights, state, *row_args(state)); the state is donated and,
+    on a mesh, handed back in its `state_shardings`."""
+    where = None if mesh is None else state_shardings(state, mesh)
+    return _jit(functools.partial(admit, cfg, forward_fn, block_length, cache, width), where, mesh)
 
 
 def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str, width: int, weights: Any,
