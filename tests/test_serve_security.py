@@ -42,6 +42,18 @@ KEY2 = "second-key-fedcba9876543210"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
+@pytest.fixture(autouse=True)
+def _subnormal_floats(request):
+    """hypothesis and schemathesis refuse to draw floats in a process that flushes subnormals to zero (a compiled
+    library may set that processor state, as XLA's CPU runtime can in an xdist worker that ran JAX tests)."""
+    if request.node.name.split("[")[0] in SUBNORMAL_TESTS and sys.float_info.min / 2 == 0.0:
+        pytest.skip("this process flushes subnormal floats to zero; hypothesis cannot draw floats here")
+
+
+SUBNORMAL_TESTS = {"test_the_parser_raises_only_request_errors", "test_schemathesis_over_the_servers_own_openapi",
+                   "test_any_body_gets_an_answer_and_no_5xx"}
+
+
 
 def fuzz(examples: int) -> settings:
     """Deterministic hypothesis settings (no database, no deadline) running `examples` examples."""
