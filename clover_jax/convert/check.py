@@ -24,11 +24,10 @@ import numpy as np
 
 from clover_jax import checkpoint
 from clover_jax.config import ModelConfig
-from clover_jax.convert import hf_io, pipeline, published
+from clover_jax.convert import hf_io, pipeline, published, survey
 from clover_jax.convert.quantize import check_scheme
-from clover_jax.convert.tensor_check import FLOAT_DTYPES, Differences, tensor_problems
+from clover_jax.convert.tensor_check import Differences
 from clover_jax.errors import CloverError, ConversionError
-from clover_jax.model import quant
 from clover_jax.model.params import count_params
 
 SHOWN = 3  # items of each kind of difference the report names before "... and N more"
@@ -176,59 +175,28 @@ def _check(src: str, family: str | None, mask_token_id: int | None, scheme: str 
         raise ConversionError(f"source {src!r} is not a directory")
     if pipeline.is_native(src):
         raise ConversionError(f"{src} is a native checkpoint; --check reads HuggingFace checkpoints")
-    hf = pipeline._read_hf_config(src)
-    pub = published.read(hf)
-    mod = pipeline._family_of(hf, family)
-    facts.update(family=mod.NAME, form="multimodal" if pub.wrapper is not None else "text-only")
-    qc = hf.get("quantization_config")
-    if qc:
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        facts.setdefault("error", f"{src} is a quantized HuggingFace checkpoint (quantization_config, quant_method "
-                                  f"{method!r}); import its float (bfloat16) release instead")
+    hf = survey.read_hf_config(src)
+    mod = survey.family_of(hf, family)
+    facts.update(family=mod.NAME, form="multimodal" if "text_config" in hf else "text-only")
+    refused = survey.quantized_source(hf, src)
+    if refused:
+        facts["error"] = refused
     source = hf_io.open_source(src)
     try:
         tensors = source.tensors
     finally:
         source.close()  # the headers are all it needed
-    by_part = published.split(tensors)
-    parts = {p: {k: tensors[k] for k in keys} for p, keys in by_part.items()}
-    facts.update(files=len({t.file for t in tensors.values()}), parts={p: _size(t) for p, t in parts.items()})
-
-    text = parts[published.TEXT]
-    name = os.path.basename(os.path.normpath(src))
-    extra = mod.tensor_fields(pub.text, text) if hasattr(mod, "tensor_fields") else {}
-    probe = mod.config_from_hf(pub.text, name, "float32", mask_token_id).replace(**extra)
-    variants = mod.source_variants(text)
-    embed_key = next(g.hf[0] for g in mod.groups(probe, **variants) if g.native == (("embed", None),))
-    dtype = text[embed_key].dtype if embed_key in text else None
-    if dtype is None:
-        facts.setdefault("error", f"the tensors in {src} lack the embedding {embed_key!r} "
-                                  f"(is this really a {mod.NAME} checkpoint?)")
-    elif dtype not in FLOAT_DTYPES:
-        facts.setdefault("error", f"the embedding {embed_key} has dtype {dtype}; expected a float type")
-    if dtype not in FLOAT_DTYPES:  # judge the rest in the commonest float dtype
-        floats = [t.dtype for t in text.values() if t.dtype in FLOAT_DTYPES]
-        dtype = collections.Counter(floats).most_common(1)[0][0] if floats else "bfloat16"
-    cfg = mod.config_from_hf(pub.text, name, dtype, mask_token_id).replace(**extra)
-    facts.update(model=cfg, config_params=count_params(cfg).total)
-    if cfg.quantization != quant.NONE:
-        facts.setdefault("error", f"{src}/config.json says quantization {cfg.quantization!r}, but a HuggingFace "
-                                  "checkpoint holds float weights; remove the field (or set it to \"none\")")
-        cfg = cfg.replace(quantization=quant.NONE)
-    diff, _ = tensor_problems(cfg, mod.groups(cfg, **variants), text)
-    facts["text"] = diff
-    if diff:
-        facts.setdefault("error", f"the tensors in {src} do not match a {cfg.family} model as its config.json "
-                                  f"describes it: {diff.counts()} (listed above)")
-
+    sv = survey.survey(src, hf, tensors, family, mask_token_id)
+    parts = {p: sv.part(p) for p in sv.parts}
+    facts.update(files=len({t.file for t in tensors.values()}), parts={p: _size(t) for p, t in parts.items()},
+                 model=sv.cfg, config_params=count_params(sv.cfg).total, text=sv.text)
+    if sv.failure(brief=True):
+        facts.setdefault("error", sv.failure(brief=True))
     # Vision and MTP: carried as they are (dropped with text_only), so a difference from the config is a warning.
-    keys = [] if text_only else by_part[published.VISION] + by_part[published.MTP]
+    keys = [] if text_only else sv.carried_keys
     carried = sum(tensors[k].nbytes for k in keys)
-    facts.update(native_bytes=_leaf_bytes(cfg) + carried, carried_bytes=carried)
+    facts.update(native_bytes=_leaf_bytes(sv.cfg) + carried, carried_bytes=carried)
     if scheme:
-        facts["quantized_bytes"] = _leaf_bytes(cfg.replace(quantization=scheme)) + carried
+        facts["quantized_bytes"] = _leaf_bytes(sv.cfg.replace(quantization=scheme)) + carried
     if keys:
-        want = published.expected(pub, cfg, keys)
-        facts["carried"] = {p: Differences(**{"shapes" if k == "shape" else k: tuple(v) for k, v in
-                                              published.differences(want[p], parts[p]).items()})
-                            for p in (published.VISION, published.MTP) if want[p] or p == published.MTP}
+        facts["carried"] = sv.carried

@@ -40,26 +40,14 @@ from tqdm import tqdm
 from clover_jax import checkpoint
 from clover_jax.checkpoint import LazyLeaf, WeightReader
 from clover_jax.checkpoint.format import summary
-from clover_jax.config import ModelConfig
-from clover_jax.convert import (
-    clover,
-    hf_io,
-    llada2_moe,
-    llada_moe,
-    mapping,
-    published,
-    qwen3_5_moe,
-    qwen3_moe,
-    tensor_check,
-)
+from clover_jax.convert import hf_io, mapping, published, survey, tensor_check
 from clover_jax.convert.hf_extras import write_hf_extras
 from clover_jax.convert.quantize import DequantizedReader, check_scheme, quantized_leaves, stream_chunk
+from clover_jax.convert.survey import FAMILIES
 from clover_jax.errors import ConversionError
 from clover_jax.model import quant
 from clover_jax.tokenizer import TOKENIZER_FILES
 
-# The HF families by name (a native config's `family`, or what `--family` names).
-FAMILIES = {m.NAME: m for m in (clover, llada2_moe, llada_moe, qwen3_moe, qwen3_5_moe)}
 SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
 LAYOUT_FILE = "hf_layout.json"  # native side: the source's config.json text and safetensors headers
 EXTRAS_DIR = "extras"  # native side: the vision and MTP tensors of a published checkpoint, as safetensors
@@ -114,43 +102,6 @@ def _quantize_scheme(quantize: str | None, dequantize: bool) -> str | None:
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=not enabled, mininterval=0.5, dynamic_ncols=True)
-
-
-def _read_hf_config(src: str) -> dict[str, Any]:
-    path = os.path.join(src, "config.json")
-    if not os.path.isfile(path):
-        raise ConversionError(f"{src} has no config.json")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(hf, dict):
-        raise ConversionError(f"{path} is not a JSON object")
-    return hf
-
-
-def _family_of(hf: dict[str, Any], family: str | None) -> Any:
-    if family:
-        if family not in FAMILIES:
-            raise ConversionError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-        return FAMILIES[family]
-    for mod in FAMILIES.values():
-        if mod.detect(hf):
-            return mod
-    raise ConversionError(
-        f"cannot tell the family from config.json (model_type {hf.get('model_type')!r}, architectures "
-        f"{hf.get('architectures')}); known families: {', '.join(FAMILIES)} (or pass --family)")
-
-
-def _check_tensors(cfg: ModelConfig, groups: list[mapping.Group], src: Any,
-                   tensors: dict[str, hf_io.TensorInfo]) -> dict[str, str]:
-    """`tensor_check.tensor_problems` as a ConversionError naming every difference; returns the source dtypes."""
-    diff, dtypes = tensor_check.tensor_problems(cfg, groups, tensors)
-    if diff:
-        raise ConversionError(f"the tensors in {src.directory} do not match a {cfg.family} model as its "
-                              "config.json describes it: " + "; ".join(diff.lines()))
-    return dtypes
 
 
 class _Lazy(Sequence):
@@ -219,33 +170,25 @@ def _copy_files(src: str, names: Sequence[str], dst: str) -> None:
         shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
 
 
-def _carried_parts(pub: published.Published, cfg: ModelConfig, source: Any, parts: dict[str, list[str]],
-                   text_only: bool, dst: str) -> list[str]:
+def _carried_parts(sv: survey.Survey, text_only: bool, dst: str) -> list[str]:
     """The vision and MTP keys to carry (none with `text_only`), after one line saying what happens to them
     and a warning when they differ from what config.json describes."""
-    n_vis, n_mtp = len(parts[published.VISION]), len(parts[published.MTP])
-    keys = parts[published.VISION] + parts[published.MTP]
+    keys = sv.carried_keys
     if not keys:
         return []
-    size = sum(source.tensors[k].nbytes for k in keys)
-    what = f"{n_vis} vision and {n_mtp} MTP tensors ({size / 1e9:.2f} GB)"
+    size = sum(sv.tensors[k].nbytes for k in keys)
+    what = (f"{len(sv.parts[published.VISION])} vision and {len(sv.parts[published.MTP])} MTP tensors "
+            f"({size / 1e9:.2f} GB)")
     if text_only:
         print(f"clover convert: --text-only: leaving out {what}; an export of {dst} will be the text model alone",
               file=sys.stderr)
         return []
     print(f"clover convert: carrying {what} untouched in {EXTRAS_DIR}/ (never loaded for generation; an export "
           "writes them back; --text-only leaves them out)", file=sys.stderr)
-    want = published.expected(pub, cfg, keys)
-    for part in (published.VISION, published.MTP):
-        if not want[part] and part == published.VISION:
-            continue
-        diff = published.differences(want[part], {k: source.tensors[k] for k in parts[part]})
-        said = [f"{label}: {summary(diff[kind], 3)}" for kind, label in (
-            ("missing", "missing tensors"), ("unexpected", "unexpected tensors"), ("shape", "wrong shapes"))
-            if diff[kind]]
-        if said:
+    for part, diff in sv.carried.items():
+        if diff:
             print(f"clover convert: warning: the {part} tensors differ from what config.json describes ("
-                  + "; ".join(said) + "); carried as they are", file=sys.stderr)
+                  + "; ".join(diff.lines(3, 3)) + "); carried as they are", file=sys.stderr)
     return keys
 
 
@@ -274,38 +217,18 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
     with the same options continues where it stopped (`checkpoint.save_streaming`); False starts it over.
     """
     scheme = check_scheme(quantize)
-    hf = _read_hf_config(src)
-    if hf.get("quantization_config"):
-        method = (hf["quantization_config"] or {}).get("quant_method", "?") \
-            if isinstance(hf["quantization_config"], dict) else "?"
-        raise ConversionError(f"{src} is a quantized HuggingFace checkpoint (quantization_config, quant_method "
-                              f"{method!r}); import its float (bfloat16) release instead"
-                              + (f" and quantize that with --quantize {scheme}" if scheme else ""))
-    mod = _family_of(hf, family)
-    pub = published.read(hf)
+    hf = survey.read_hf_config(src)
+    refused = survey.quantized_source(hf, src, scheme)
+    if refused:
+        raise ConversionError(refused)
+    survey.family_of(hf, family)  # an unknown family before the files are opened
     source = hf_io.open_source(src, allow_pickle)
     try:
-        name = os.path.basename(os.path.normpath(src))
-        parts = published.split(source.tensors)
-        tensors = {k: source.tensors[k] for k in parts[published.TEXT]}
-        # Families whose config also depends on the tensors (clover: the block-diffusion tensors' shapes).
-        extra = mod.tensor_fields(pub.text, tensors) if hasattr(mod, "tensor_fields") else {}
-        probe = mod.config_from_hf(pub.text, name, "float32", mask_token_id).replace(**extra)
-        variants = mod.source_variants(tensors)
-        embed_key = next(g.hf[0] for g in mod.groups(probe, **variants) if g.native == (("embed", None),))
-        if embed_key not in tensors:
-            raise ConversionError(f"the tensors in {src} lack the embedding {embed_key!r} "
-                                  f"(is this really a {mod.NAME} checkpoint?)")
-        dtype = source.tensors[embed_key].dtype
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConversionError(f"the embedding {embed_key} has dtype {dtype}; expected a float type")
-        cfg = mod.config_from_hf(pub.text, name, dtype, mask_token_id).replace(**extra)
-        if cfg.quantization != quant.NONE:  # a clover config.json naming the native field
-            raise ConversionError(f"{src}/config.json says quantization {cfg.quantization!r}, but a HuggingFace "
-                                  "checkpoint holds float weights; remove the field (or set it to \"none\")")
-        groups = mod.groups(cfg, **variants)
-        dtypes = _check_tensors(cfg, groups, source, tensors)
-        carried = _carried_parts(pub, cfg, source, parts, text_only, dst)
+        sv = survey.survey(src, hf, source.tensors, family, mask_token_id, scheme)
+        if sv.failure():
+            raise ConversionError(sv.failure())
+        mod, cfg, groups, variants, extra = sv.family, sv.cfg, sv.groups, sv.variants, sv.tensor_fields
+        carried = _carried_parts(sv, text_only, dst)
         side = _side_file_names(src, text_only)
 
         specs = checkpoint.expected_leaves(cfg)
@@ -352,9 +275,9 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
         leaves = {n: lazy(n, s) for n, s in specs.items()}
         if scheme:  # every chunk above holds whole contracted axes: one layer (or experts), lm_head's (D, rows)
             cfg, leaves = cfg.replace(quantization=scheme), quantized_leaves(specs, leaves, scheme)
-        record = {"family": mod.NAME, "variants": variants, "dtypes": dtypes, "config": hf, "tensor_fields": extra,
+        record = {"family": mod.NAME, "variants": variants, "dtypes": sv.dtypes, "config": hf, "tensor_fields": extra,
                   "text_only": text_only,
-                  "parts": {p: len(parts[p]) if carried else 0 for p in (published.VISION, published.MTP)}}
+                  "parts": {p: len(sv.parts[p]) if carried else 0 for p in (published.VISION, published.MTP)}}
         files = {SOURCE_FILE: json.dumps(record, indent=1, sort_keys=True)}
         layout = None if text_only or not isinstance(source, hf_io.SafetensorsSource) else hf_io.read_layout(src)
         if layout is not None:
