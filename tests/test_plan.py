@@ -110,15 +110,21 @@ def _hybrid_cache_bytes(rows, columns):
     return kv + state
 
 
-@needs_libtpu
-def test_plan_generate_compiles_the_whole_sampler_program(tmp_path, capsys):
+def _plan_program(tmp_path, capsys, mode, prompt_len, gen_len, batch):
+    """`clover plan --MODE` of test-clover-hybrid on the small TPU layout: (exit status, printed text)."""
     from clover_jax import cli
 
     _tpu_layout(tmp_path)
-    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), "--generate",
-            "--prompt-len", "60", "--gen-len", "32", "--batch", "2"]
-    assert cli.main(argv) == 0
-    text = capsys.readouterr().out
+    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), f"--{mode}",
+            "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--batch", str(batch)]
+    status = cli.main(argv)
+    return status, capsys.readouterr().out
+
+
+@needs_libtpu
+def test_plan_generate_compiles_the_whole_sampler_program(tmp_path, capsys):
+    status, text = _plan_program(tmp_path, capsys, "generate", 60, 32, 2)
+    assert status == 0
     # the sampler's own buckets: 60 prompt tokens -> 64 columns (blocks of 8, a power of two of them)
     assert "request: 2 rows, prompt 60 tokens (64 columns), 32 generated (32 columns), blocks of 8" in text
     assert "sampler.generate.PROGRAM_JIT" in text and "cache prefix (auto)" in text
@@ -136,13 +142,8 @@ def test_plan_generate_compiles_the_whole_sampler_program(tmp_path, capsys):
 
 @needs_libtpu
 def test_plan_serve_compiles_the_block_and_prefill_programs(tmp_path, capsys):
-    from clover_jax import cli
-
-    _tpu_layout(tmp_path)
-    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), "--serve",
-            "--prompt-len", "40", "--gen-len", "16", "--batch", "2"]
-    assert cli.main(argv) == 0
-    text = capsys.readouterr().out
+    status, text = _plan_program(tmp_path, capsys, "serve", 40, 16, 2)
+    assert status == 0
     # the engine's columns: 40 -> 40 prompt columns + 16 generated, blocks of 8; its widest prefill: 48 columns
     assert "engine's block program (serving.program.advance) for 2 rows x 56 columns" in text
     assert "one prompt of up to 48 columns" in text
@@ -157,14 +158,9 @@ def test_plan_serve_compiles_the_block_and_prefill_programs(tmp_path, capsys):
 
 @needs_libtpu
 def test_plan_generate_that_does_not_fit_exits_3(tmp_path, capsys):
-    from clover_jax import cli
-
-    _tpu_layout(tmp_path)
     # 16384 rows: the prefill's float32 attention scores alone are ~19 GB per 16 GB chip
-    argv = ["plan", "--config", "test-clover-hybrid", "--mesh", str(tmp_path / "small-tpu.toml"), "--generate",
-            "--prompt-len", "448", "--gen-len", "64", "--batch", "16384"]
-    assert cli.main(argv) == 3
-    text = capsys.readouterr().out
+    status, text = _plan_program(tmp_path, capsys, "generate", 448, 64, 16384)
+    assert status == 3
     assert "DOES NOT FIT" in text and "verdict: DOES NOT FIT on small-tpu" in text
 
 

@@ -49,7 +49,7 @@ from clover_jax.plan.arithmetic import (
     weight_bytes_per_chip,
     weights_touched_per_chip,
 )
-from clover_jax.plan.report import resolve_chip
+from clover_jax.plan.report import gb, header_lines, resolve_chip
 from clover_jax.sampler import CACHE_MODES, SamplerConfig
 from clover_jax.serving import program as serving_program
 
@@ -347,22 +347,18 @@ def _activations(cfg: ModelConfig, layout: Layout, rows: int, window: int, kv_le
 # ---- the report --------------------------------------------------------------------------------
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
 def _time(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} us"
 
 
 def _memory_line(c: Compiled, chip: Chip) -> str:
     m = c.memory
-    line = (f"  HBM per chip (compiler): {_gb(c.hbm_bytes)} of {_gb(chip.hbm_bytes)} "
-            f"({100 * c.hbm_bytes / chip.hbm_bytes:.0f}%) = arguments {_gb(m.get('argument_size_in_bytes', 0))}"
-            f" + outputs {_gb(m.get('output_size_in_bytes', 0))} + temporaries {_gb(m.get('temp_size_in_bytes', 0))}"
-            f" - aliased {_gb(m.get('alias_size_in_bytes', 0))} + code {_gb(m.get('generated_code_size_in_bytes', 0))}")
+    line = (f"  HBM per chip (compiler): {gb(c.hbm_bytes)} of {gb(chip.hbm_bytes)} "
+            f"({100 * c.hbm_bytes / chip.hbm_bytes:.0f}%) = arguments {gb(m.get('argument_size_in_bytes', 0))}"
+            f" + outputs {gb(m.get('output_size_in_bytes', 0))} + temporaries {gb(m.get('temp_size_in_bytes', 0))}"
+            f" - aliased {gb(m.get('alias_size_in_bytes', 0))} + code {gb(m.get('generated_code_size_in_bytes', 0))}")
     if m.get("peak_memory_in_bytes"):
-        line += f"; compiler's peak_memory {_gb(m['peak_memory_in_bytes'])}"
+        line += f"; compiler's peak_memory {gb(m['peak_memory_in_bytes'])}"
     return line + f"; compiled in {c.seconds:.1f} s"
 
 
@@ -372,34 +368,26 @@ def _pass_line(label: str, pc: PassCost, chip: Chip, cfg: ModelConfig) -> str:
     reach = (f" ({100 * experts_touched(cfg, pc.rows * pc.window):.0f}% of experts reached)"
              if cfg.n_experts else "")
     return (f"  {label} ({pc.rows} row{'s' if pc.rows > 1 else ''} x {pc.window} tokens against {pc.kv_len} "
-            f"columns): weights {_gb(pc.weight_bytes)}{reach} + cache {_gb(pc.cache_bytes)} + logits "
-            f"{_gb(pc.logits_bytes)} read -> memory {_time(tm)}; {pc.flops:.3g} FLOPs -> compute {_time(tc)}; "
+            f"columns): weights {gb(pc.weight_bytes)}{reach} + cache {gb(pc.cache_bytes)} + logits "
+            f"{gb(pc.logits_bytes)} read -> memory {_time(tm)}; {pc.flops:.3g} FLOPs -> compute {_time(tc)}; "
             f"{bound}: >= {_time(t)}")
 
 
 def format_program_plan(plan: ProgramPlan) -> str:
     """The report of a `plan_generate` / `plan_serve` plan as text; its last line is the verdict."""
     c, lay, chip = plan.cfg, plan.layout, plan.chip
-    counts = params.count_params(c)
-    mesh = " x ".join(f"{a}={n}" for a, n in zip(lay.axes, lay.shape, strict=True))
     lines = [
-        f"plan --{plan.kind}: {c.name} on {lay.name} ({lay.n_devices} x {chip.name}"
-        + (f", topology {lay.topology}" if lay.topology else "") + f"; mesh {mesh}; MoE dispatch {plan.dispatch})",
-        f"chip: {_gb(chip.hbm_bytes)} HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
-        f"{chip.hbm_bw / 1e9:.0f} GB/s (published)",
-        f"weights: {counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active), {_gb(plan.weights_total)} "
-        f"({c.dtype if c.quantization == 'none' else c.quantization + ' matmul weights'}); "
-        f"{_gb(plan.weights_per_chip)} per chip",
+        *header_lines(f"plan --{plan.kind}", c, lay, chip, plan.dispatch, plan.weights_total, plan.weights_per_chip),
         f"request: {plan.rows} row{'s' if plan.rows > 1 else ''}, prompt {plan.prompt_len} tokens "
         f"({plan.prompt_cols} columns), {plan.gen_len} generated ({plan.gen_cols} columns), blocks of {plan.block}",
     ]
     if plan.cache_columns:
         state = plan.cache_rows * linear_state_bytes(c)
-        lines.append(f"cache ({plan.cache}): {_gb(plan.cache_total)} for {plan.cache_rows} "
+        lines.append(f"cache ({plan.cache}): {gb(plan.cache_total)} for {plan.cache_rows} "
                      f"row{'s' if plan.cache_rows > 1 else ''} x {plan.cache_columns} "
-                     f"columns (attention K/V {_gb(plan.cache_total - state)}"
-                     + (f" + Gated DeltaNet state {_gb(state)}" if c.is_hybrid else "")
-                     + f"), {_gb(plan.cache_per_chip)} per chip")
+                     f"columns (attention K/V {gb(plan.cache_total - state)}"
+                     + (f" + Gated DeltaNet state {gb(state)}" if c.is_hybrid else "")
+                     + f"), {gb(plan.cache_per_chip)} per chip")
     else:
         lines.append(f"cache: none (every pass runs all {plan.prompt_cols + plan.gen_cols} columns)")
     lines.append(f"method: {plan.method}" + (f" ({plan.note})" if plan.note else ""))
@@ -426,15 +414,15 @@ def format_program_plan(plan: ProgramPlan) -> str:
     peak = plan.peak_bytes
     if not plan.compiled:
         verdict = "FITS" if plan.fits else "DOES NOT FIT"
-        lines.append(f"verdict: {verdict} by arithmetic: ~{_gb(peak or 0)} per chip (weights + cache + the widest "
-                     f"pass's attention scores and logits) vs {_gb(plan.usable_hbm)} usable")
+        lines.append(f"verdict: {verdict} by arithmetic: ~{gb(peak or 0)} per chip (weights + cache + the widest "
+                     f"pass's attention scores and logits) vs {gb(plan.usable_hbm)} usable")
     elif plan.fits:
         lines.append(f"verdict: FITS: the TPU compiler placed the {plan.kind} program"
-                     f"{'s' if len(plan.programs) > 1 else ''}, at most {_gb(peak or 0)} of "
-                     f"{_gb(chip.hbm_bytes)} per chip")
+                     f"{'s' if len(plan.programs) > 1 else ''}, at most {gb(peak or 0)} of "
+                     f"{gb(chip.hbm_bytes)} per chip")
     elif peak is not None:
-        lines.append(f"verdict: DOES NOT FIT on {lay.name}: the compiled program needs {_gb(peak)} of "
-                     f"{_gb(chip.hbm_bytes)} per chip")
+        lines.append(f"verdict: DOES NOT FIT on {lay.name}: the compiled program needs {gb(peak)} of "
+                     f"{gb(chip.hbm_bytes)} per chip")
     else:
         lines.append(f"verdict: DOES NOT FIT on {lay.name}: the TPU compiler ran out of HBM")
     return "\n".join(lines)

@@ -177,8 +177,25 @@ def make_plan(cfg: ModelConfig, layout: Layout, *, batch: int | None = None, seq
 CONTEXTS = (4096, 32_768, 131_072)  # the context lengths whose cache size the report prints
 
 
-def _gb(n: float) -> str:
+def gb(n: float) -> str:
+    """Bytes as GB (MB below 0.1 GB), as every plan report prints them."""
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def header_lines(title: str, c: ModelConfig, lay: Layout, chip: Chip, dispatch: str, weights_total: float,
+                 weights_per_chip: float, note: str = "") -> list[str]:
+    """The first lines of a plan report: `title` with the model, layout, mesh and dispatch; the chip's published
+    figures; the weights, in all and per chip (`note` after it)."""
+    counts = params.count_params(c)
+    mesh = " x ".join(f"{a}={n}" for a, n in zip(lay.axes, lay.shape, strict=True))
+    return [
+        f"{title}: {c.name} on {lay.name} ({lay.n_devices} x {chip.name}"
+        + (f", topology {lay.topology}" if lay.topology else "") + f"; mesh {mesh}; MoE dispatch {dispatch})",
+        f"chip: {gb(chip.hbm_bytes)} HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{chip.hbm_bw / 1e9:.0f} GB/s (published)",
+        f"weights: {counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active), {gb(weights_total)} "
+        f"in {_weights_kind(c)}; {gb(weights_per_chip)} per chip{note}",
+    ]
 
 
 def _ms(s: float) -> str:
@@ -195,20 +212,14 @@ def _weights_kind(c: ModelConfig) -> str:
 def format_plan(plan: Plan) -> str:
     """The report of `plan` as text: chip, weights, cache, per-pass memory, FLOPs and roofline, verdict."""
     c, lay, chip = plan.cfg, plan.layout, plan.chip
-    counts = params.count_params(c)
-    mesh = " x ".join(f"{a}={n}" for a, n in zip(lay.axes, lay.shape, strict=True))
     lines = [
-        f"plan: {c.name} on {lay.name} ({lay.n_devices} x {chip.name}"
-        + (f", topology {lay.topology}" if lay.topology else "") + f"; mesh {mesh}; MoE dispatch {plan.dispatch})",
-        f"chip: {_gb(chip.hbm_bytes)} HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
-        f"{chip.hbm_bw / 1e9:.0f} GB/s (published)",
-        f"weights: {counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active), {_gb(plan.weights_total)} "
-        f"in {_weights_kind(c)}; {_gb(plan.weights_per_chip)} per chip (arithmetic, from the shardings)",
-        f"KV cache: {_gb(plan.cache_per_chip)} per chip for batch {plan.passes[0].shape.batch} x "
+        *header_lines("plan", c, lay, chip, plan.dispatch, plan.weights_total, plan.weights_per_chip,
+                      " (arithmetic, from the shardings)"),
+        f"KV cache: {gb(plan.cache_per_chip)} per chip for batch {plan.passes[0].shape.batch} x "
         f"{plan.passes[0].shape.kv_len} tokens",
-        "cache per sequence: " + ", ".join(f"{_gb(cache_bytes(c, 1, n))} at {n // 1024}K" for n in CONTEXTS
+        "cache per sequence: " + ", ".join(f"{gb(cache_bytes(c, 1, n))} at {n // 1024}K" for n in CONTEXTS
                                           if n <= c.max_seq_len)
-        + (f" (of which {_gb(linear_state_bytes(c))} Gated DeltaNet state, the same at any length)"
+        + (f" (of which {gb(linear_state_bytes(c))} Gated DeltaNet state, the same at any length)"
            if c.is_hybrid else ""),
         f"method: {plan.method}" + (f" ({plan.note})" if plan.note else ""),
     ]
@@ -227,12 +238,12 @@ def format_plan(plan: Plan) -> str:
         if cp is not None:
             m = cp.memory
             lines.append(
-                f"  HBM per chip (compiler): {_gb(cp.hbm_bytes)} of {_gb(chip.hbm_bytes)} "
-                f"({100 * cp.hbm_bytes / chip.hbm_bytes:.0f}%) = arguments {_gb(m.get('argument_size_in_bytes', 0))}"
-                f" + outputs {_gb(m.get('output_size_in_bytes', 0))}"
-                f" + temporaries {_gb(m.get('temp_size_in_bytes', 0))}"
-                f" - aliased {_gb(m.get('alias_size_in_bytes', 0))} + code "
-                f"{_gb(m.get('generated_code_size_in_bytes', 0))}; compiled in {cp.seconds:.1f} s")
+                f"  HBM per chip (compiler): {gb(cp.hbm_bytes)} of {gb(chip.hbm_bytes)} "
+                f"({100 * cp.hbm_bytes / chip.hbm_bytes:.0f}%) = arguments {gb(m.get('argument_size_in_bytes', 0))}"
+                f" + outputs {gb(m.get('output_size_in_bytes', 0))}"
+                f" + temporaries {gb(m.get('temp_size_in_bytes', 0))}"
+                f" - aliased {gb(m.get('alias_size_in_bytes', 0))} + code "
+                f"{gb(m.get('generated_code_size_in_bytes', 0))}; compiled in {cp.seconds:.1f} s")
             once = analytic_flops_per_chip(c, s, lay, scan_once=True)
             lines.append(f"  FLOPs per chip: analytic {r.flops_per_chip:.3g} (all chips {r.flops_total:.3g}); "
                          f"compiler {cp.flops or 0:.3g} = {(cp.flops or 0) / once:.2f}x the analytic count with "
@@ -260,14 +271,14 @@ def format_plan(plan: Plan) -> str:
                         if touched > 0.5 else ""))
     if plan.method == "arithmetic":
         verdict = "FITS" if plan.fits else "DOES NOT FIT"
-        lines.append(f"verdict: {verdict} by arithmetic: ~{_gb(plan.estimate_per_chip)} per chip (weights + cache + "
-                     f"main activations) vs {_gb(plan.usable_hbm)} usable"
+        lines.append(f"verdict: {verdict} by arithmetic: ~{gb(plan.estimate_per_chip)} per chip (weights + cache + "
+                     f"main activations) vs {gb(plan.usable_hbm)} usable"
                      + (f" ({int(GPU_USABLE_FRACTION * 100)}% of HBM: JAX's default GPU preallocation)"
                         if lay.platform == "gpu" else ""))
     elif plan.fits:
         worst = max(r.compiled.hbm_bytes for r in plan.passes if r.compiled)
-        lines.append(f"verdict: FITS: the TPU compiler placed both passes, at most {_gb(worst)} of "
-                     f"{_gb(chip.hbm_bytes)} per chip")
+        lines.append(f"verdict: FITS: the TPU compiler placed both passes, at most {gb(worst)} of "
+                     f"{gb(chip.hbm_bytes)} per chip")
     else:
         lines.append(f"verdict: DOES NOT FIT on {lay.name}: the TPU compiler ran out of HBM")
     return "\n".join(lines)
