@@ -47,6 +47,9 @@ def _direct(x, w, blocks):
     c = CFG
     hk, dk, hv, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim
     t_len = x.shape[0]
+    # The conv channels in the fused [q | k | v] order (natively they are grouped by key head).
+    w = {**w, **{n: params.ungroup_channels(w[n].reshape(w[n].shape[0], hk, -1), c)
+                 for n in ("qkv", "conv", "conv_right")}}
     proj = x @ w["qkv"]  # [T, C]
     blocks = [int(b) for b in blocks]
     k_left, k_right = w["conv"].shape[0], w["conv_right"].shape[0]
@@ -93,9 +96,15 @@ def _direct(x, w, blocks):
 BLOCKS = np.array([0] * 5 + [1] * 8 + [2] * 8 + [9] * 3)
 
 
-def test_mixer_matches_the_direct_computation_and_its_gradients():
+@pytest.mark.parametrize("rule", ["scan", "chunked"])
+def test_mixer_matches_the_direct_computation_and_its_gradients(rule, monkeypatch):
     """Values against the float64 definition; gradients against its central differences along random
-    directions (two per tensor), for every tensor the block-diffusion reading adds and the ones it reads."""
+    directions (two per tensor), for every tensor the block-diffusion reading adds and the ones it reads. Both
+    delta rules: the position scan, and the chunked form in chunks of 8 (blocks of 5, 8, 8, 3 straddle them)."""
+    if rule == "chunked":  # read while tracing
+        monkeypatch.setattr(gdn, "BLOCKS_SCAN_MAX", 0)
+        monkeypatch.setattr(gdn, "CHUNK", 8)
+        assert gdn._blocks_rule(9, CFG).func is gdn.delta_rule_blocks_chunked
     w = _mixer_weights()
     x = jax.random.normal(jax.random.key(5), (1, len(BLOCKS), CFG.d_model))
     blocks = jnp.asarray(BLOCKS)[None]
@@ -209,4 +218,4 @@ def test_reconstruction_needs_its_tensors_and_blocks():
         CFG.replace(attention="bidirectional")
     with pytest.raises(ConfigError, match="bd_gdn must be one of"):
         CFG.replace(bd_gdn="softmax")
-    assert params.abstract(CFG.replace(bd_gdn="none")).linear_layers.attn.conv_right.shape == (3, 3, 2 * 2 * 16 + 4 * 8)
+    assert params.abstract(CFG.replace(bd_gdn="none")).linear_layers.attn.conv_right.shape == (3, 3, 2, 2 * 16 + 2 * 8)

@@ -419,7 +419,7 @@ def test_clover_moe_hybrid_layout_converts_runs_and_exports_bit_exact(tmp_path, 
     cfg2, w = checkpoint.load_model(str(tmp_path / "native"))
     assert (cfg2.family, cfg2.block_size, cfg2.bd_gdn, cfg2.bd_conv_right_kernel) == ("clover", 8, "reconstructed", 3)
     assert cfg2.mask_token_id == cfg.mask_token_id and cfg2.layer_types == cfg.layer_types
-    right = np.asarray(w.linear_layers.attn.conv_right[0], np.float32)  # [Kr, C]
+    right = params.ungroup_channels(np.asarray(w.linear_layers.attn.conv_right[0], np.float32), cfg)  # [Kr, C]
     src = tensors[f"{la}.conv_right_weight"].astype(np.float32)
     np.testing.assert_array_equal(right, (src[:, 0, :] if src.ndim == 3 else src).T)
     scale = np.asarray(w.linear_layers.attn.bd_logit_scale[0])  # one per value head, repeated over groups

@@ -30,6 +30,7 @@ from safetensors.numpy import load_file, save_file
 from clover_jax.checkpoint import expected_leaves, flatten_weights, load_model
 from clover_jax.convert import ConversionError, clover, convert, published, qwen3_5_moe
 from clover_jax.model import masks, transformer
+from clover_jax.model.params import ungroup_channels
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "published"
 QWEN, CLOVER = "qwen3_5_moe_vl_tiny", "clover_moe_vl_tiny"
@@ -401,7 +402,7 @@ def test_clover_converts_with_its_block_diffusion_tensors(clover_native: Path, q
     hf = _tensors(FIXTURES / CLOVER)
     for layer in range(3):  # the Gated DeltaNet layers, in order
         la = f"{TEXT_PREFIX}layers.{layer}.linear_attn."
-        np.testing.assert_array_equal(np.asarray(got["linear_layers.attn.conv_right"][layer]),
+        np.testing.assert_array_equal(ungroup_channels(np.asarray(got["linear_layers.attn.conv_right"][layer]), cfg),
                                       hf[la + "conv_right_weight"][:, 0, :].T)
         for tail, native in BD_SCALARS.items():
             np.testing.assert_array_equal(np.asarray(got[f"linear_layers.attn.{native}"][layer]), hf[la + tail])

@@ -135,3 +135,27 @@ def test_constrain_is_a_no_op_without_a_mesh_and_shards_on_one(devices):
     y = jax.jit(lambda x: constrain(x * 2, ("batch", "seq", "embed"), mesh))(x)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh.mesh, PartitionSpec("data", None, None)), 3)
     np.testing.assert_array_equal(np.asarray(y), 2 * np.ones((4, 8, 16)))
+
+
+def test_gated_deltanet_splits_by_heads_where_the_layout_has_a_tensor_axis():
+    """Clover-35B's Gated DeltaNet (16 key / 32 value heads) over `tensor` on the v5e layouts: every weight of the
+    mixer by heads, the output projection by its input heads; on layouts whose tensor axis is 1, replicated."""
+    cfg = get_config("clover-35b-a3b")
+    for name, split in [("tpu-v5e-8", True), ("tpu-v5e-16", True), ("tpu-v5p-8", False), ("gpu-8xh100", False)]:
+        lay = layouts.load_layout(name)
+        attn = params.weight_shardings(cfg, AbstractMesh(lay.shape, lay.axes), lay.rules).linear_layers.attn
+        t = "tensor" if split else None
+        assert attn.conv.spec == attn.conv_right.spec == PartitionSpec(None, None, t, None), name
+        assert attn.qkv.spec == PartitionSpec(None, None, t), name  # [layers, embed, C]: C grouped by key head
+        assert attn.z.spec == PartitionSpec(None, None, t, None) and attn.out.spec == PartitionSpec(None, t, None, None)
+        assert attn.a.spec == attn.b.spec == PartitionSpec(None, None, t), name
+        assert attn.a_log.spec == attn.bd_logit_scale.spec == PartitionSpec(None, t), name
+
+
+def test_gated_deltanet_rule_that_does_not_divide_names_weight_axis_and_sizes():
+    cfg = get_config("test-clover-hybrid")  # 2 key heads: qkv's 96 channels split 4 ways, but not its 2 groups
+    mesh = AbstractMesh((1, 1, 4), ("data", "expert", "tensor"))
+    with pytest.raises(ShardingError,
+                       match=r"weight 'linear_layers\.attn\.conv' dim 2 \(logical axis 'linear_key_heads', size 2\) is "
+                             r"not divisible by mesh axis 'tensor' of size 4"):
+        params.weight_shardings(cfg, mesh, ShardingRules(q_heads=None, kv_heads=None))

@@ -6,6 +6,10 @@
     weights/clover_manifest.json   every file under weights/ with its size, checked by `verify` before
                        any load (checkpoints from before it load without one)
 
+Weights stored in an earlier layout (`legacy_leaves`: the Gated DeltaNet conv channels before they were grouped
+by key head) are turned into the current one as they load (`load_model`, and `read_migrated` for
+`streaming.WeightReader`), so checkpoints written before still load, convert and export unchanged in value.
+
 Weight names are `params.named_leaves` paths (e.g. `moe_layers.mlp.gate`), so the on-disk tree does
 not depend on how the dataclasses nest and a mismatch can name the weight. Restore goes straight into
 the caller's target shardings: every device reads only its own shard. Saves are atomic (`atomic`).
@@ -13,10 +17,11 @@ the caller's target shardings: every device reads only its own shard. Saves are 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -92,6 +97,70 @@ def check_leaves(cfg: ModelConfig, found: Mapping[str, tuple[tuple[int, ...], An
                             f"{cfg.name!r} needs {np.dtype(spec.dtype)}")
     if problems:
         raise CheckpointError(f"{where} does not match its config: " + "; ".join(problems))
+
+
+# ---- layouts of earlier versions -------------------------------------------------------------------
+
+# The Gated DeltaNet conv-channel weights, whose C channels were [q | k | v] until they were grouped by key head
+# (`params.GatedDeltaNetWeights`, so that they shard by heads); a quantized qkv's qvalue and scale likewise.
+GDN_CHANNEL_LEAVES = ("linear_layers.attn.qkv", "linear_layers.attn.conv", "linear_layers.attn.conv_right")
+# The conv's shape tells the layouts apart: [..., C] then, [..., Hk, C / Hk] now (qkv is [..., C] in both).
+GDN_LAYOUT_WITNESS = "linear_layers.attn.conv"
+
+
+def _gdn_channels(name: str) -> bool:
+    return name in GDN_CHANNEL_LEAVES or name.rsplit(".", 1)[0] in GDN_CHANNEL_LEAVES
+
+
+def _fused_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A GDN channel leaf's shape in the earlier layout: qkv's is unchanged, the convs' [..., Hk, C / Hk] was
+    [..., C]."""
+    return tuple(shape) if name.startswith("linear_layers.attn.qkv") else (*shape[:-2], shape[-2] * shape[-1])
+
+
+def legacy_leaves(cfg: ModelConfig, stored: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, tuple[int, ...]]:
+    """{name: its stored shape} of the weights that `stored` ({name: (shape, dtype)}, e.g. `stored_leaves`) holds
+    in an earlier layout which `migrate_leaf` turns into the current one, bit for bit: the Gated DeltaNet
+    conv-channel weights (GDN_CHANNEL_LEAVES) of a checkpoint whose conv is stored [..., C], C in [q | k | v]
+    order. Empty for a checkpoint in the current layout. Anything else that disagrees with the config is left
+    to `check_leaves`."""
+    specs = expected_leaves(cfg) if cfg.is_hybrid else {}
+    witness = specs.get(GDN_LAYOUT_WITNESS)
+    if witness is None or tuple(stored.get(GDN_LAYOUT_WITNESS, ((),))[0]) != _fused_shape(GDN_LAYOUT_WITNESS,
+                                                                                          witness.shape):
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for name, spec in specs.items():
+        if _gdn_channels(name) and name in stored and tuple(stored[name][0]) == _fused_shape(name, spec.shape):
+            out[name] = _fused_shape(name, spec.shape)
+    return out
+
+
+def current_leaves(cfg: ModelConfig, stored: Mapping[str, tuple[tuple[int, ...], Any]],
+                   ) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """`stored` ({name: (shape, dtype)}) as the weights will be after `migrate_leaf`: the legacy ones
+    (`legacy_leaves`) with their current shape, for `check_leaves`."""
+    legacy = legacy_leaves(cfg, stored)
+    specs = expected_leaves(cfg) if legacy else {}
+    return {n: ((tuple(specs[n].shape), d) if n in legacy else (s, d)) for n, (s, d) in stored.items()}
+
+
+def migrate_leaf(cfg: ModelConfig, name: str, x: Any) -> Any:
+    """Weight `name`, which `legacy_leaves` names, from its stored layout ([..., C] in [q | k | v] order) to the
+    current one (grouped by key head, `params.group_channels`: [..., Hk, C / Hk] for the convs, flattened
+    back to [..., C] for qkv): a permutation, numpy or jax."""
+    g = params.group_channels(x, cfg)
+    return g.reshape(x.shape) if name.startswith("linear_layers.attn.qkv") else g
+
+
+def read_migrated(cfg: ModelConfig, name: str, read: Callable[[Any], np.ndarray], index: Any = None) -> np.ndarray:
+    """`current[index]` of legacy weight `name` (`legacy_leaves`) from `read(i)`, which reads its stored array at
+    `i` along the leading axis (an int, a slice): `index` is None, an int or a tuple of ints and slices whose
+    first entry applies to that leading axis (layers, for a stacked weight) and the rest after `migrate_leaf`."""
+    idx = () if index is None else index if isinstance(index, tuple) else (index,)
+    first, rest = (idx[0], idx[1:]) if idx else (slice(None), ())
+    a = migrate_leaf(cfg, name, np.asarray(read(first)))
+    return a[rest] if isinstance(first, (int, np.integer)) else a[(slice(None), *rest)]
 
 
 # ---- save / load -----------------------------------------------------------------------------------
@@ -184,11 +253,15 @@ def stored_leaves(path: str) -> dict[str, tuple[tuple[int, ...], Any]]:
 
 def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, params.Weights]:
     """Read a native checkpoint into `shardings` (a tree matching params.abstract(cfg), e.g. from
-    sharding.weight_shardings; default: the first device). Each device reads only its own shard.
+    sharding.weight_shardings; default: the first device). Each device reads only its own shard, except for
+    weights stored in an earlier layout (`legacy_leaves`): those are read whole onto every device of their
+    sharding, then turned into the current layout (`migrate_leaf`) in their shardings.
     The directory is checked first (`verify.verify`); any Orbax error becomes a one-line CheckpointError."""
     wdir = _check_dir(path)
     cfg = _read_config(path)
-    check_leaves(cfg, _read_leaves(path, wdir), f"checkpoint {path!r}")
+    stored = _read_leaves(path, wdir)
+    legacy = legacy_leaves(cfg, stored)
+    check_leaves(cfg, current_leaves(cfg, stored), f"checkpoint {path!r}")
     specs = expected_leaves(cfg)
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -199,6 +272,17 @@ def load_model(path: str, shardings: Any = None) -> tuple[ModelConfig, params.We
             raise CheckpointError("the shardings tree does not match the checkpoint's weights: "
                                   f"differs in {sorted(set(shard_by_name) ^ set(specs))}")
     target = {n: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard_by_name[n]) for n, s in specs.items()}
+    for n, shape in legacy.items():
+        target[n] = jax.ShapeDtypeStruct(shape, specs[n].dtype, sharding=_whole(shard_by_name[n]))
     with orbax_errors(path, "the weights"), ocp.StandardCheckpointer() as ckptr:
         flat = ckptr.restore(wdir, target)
+    for n in legacy:
+        flat[n] = jax.jit(functools.partial(migrate_leaf, cfg, n), out_shardings=shard_by_name[n])(flat[n])
     return cfg, unflatten_weights(cfg, flat)
+
+
+def _whole(sharding: Any) -> Any:
+    """`sharding` with nothing split: the same devices, each with the whole array."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding

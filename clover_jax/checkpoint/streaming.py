@@ -41,7 +41,10 @@ from clover_jax.checkpoint.format import (
     CONFIG_FILE,
     WEIGHTS_DIR,
     check_leaves,
+    current_leaves,
+    legacy_leaves,
     load_checkpoint_config,
+    read_migrated,
     stored_leaves,
     write_metadata_files,
 )
@@ -336,12 +339,15 @@ def _resumable_directory(dest: str, force: bool, header: Mapping[str, str],
 class WeightReader:
     """Reads a native checkpoint's arrays (or one slice of their leading axis) to host numpy,
     without loading the rest: for conversion to other formats. The directory is checked first
-    (`verify.verify`); an error reading it later is a one-line CheckpointError."""
+    (`verify.verify`); an error reading it later is a one-line CheckpointError. Weights stored in an earlier
+    layout (`format.legacy_leaves`) are listed in `leaves` and read in the current one."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.config = load_checkpoint_config(path)  # verifies the directory before anything reads it
-        self.leaves = stored_leaves(path)
+        stored = stored_leaves(path)
+        self._legacy = legacy_leaves(self.config, stored)
+        self.leaves = current_leaves(self.config, stored)
         check_leaves(self.config, self.leaves, f"checkpoint {path!r}")
         wdir = os.path.abspath(os.path.join(path, WEIGHTS_DIR))
         with open(os.path.join(wdir, "_METADATA")) as f:
@@ -370,4 +376,6 @@ class WeightReader:
         """The whole array, or `array[index]` (an int or a tuple of slices) read from disk alone."""
         t = self._store(name)
         with orbax_errors(self.path, f"weight {name!r}"):
+            if name in self._legacy:
+                return read_migrated(self.config, name, lambda i: np.asarray(t[i].read().result()), index)
             return np.asarray((t if index is None else t[index]).read().result())

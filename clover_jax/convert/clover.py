@@ -4,14 +4,14 @@ The hybrid layout (Clover-35B-A3B-Preview, architecture `CloverMoeModelLM`): the
 model's config fields and keys (see that module), block-causal attention in blocks of `block_size` (also
 read as `block_length`, `diffusion_block_size` or `bd_block_size`: the hub's name for it is not known
 here), and per Gated DeltaNet layer four more tensors, loaded by name:
-  linear_attn.conv_right_weight          [C, 1, Kr] (or [C, Kr])   -> conv_right [Kr, C]
+  linear_attn.conv_right_weight          [C, 1, Kr] (or [C, Kr])   -> conv_right [Kr, Hk, C / Hk]
   linear_attn.bd_softmax_logit_scale     [Hv] (or [Hk], [1], [])   -> bd_logit_scale [Hv]
   linear_attn.bd_softmax_history_bias    likewise                  -> bd_history_bias [Hv]
   linear_attn.bd_softmax_history_c       likewise                  -> bd_history_c [Hv]
 Kr and the scalar shapes are read from the checkpoint and written back as read; the keys may sit under
 `model.`, `model.language_model.`, `language_model.model.`, `language_model.` or no prefix at all (the
 hub's exact prefix is not known here). How the four tensors act is this project's reconstruction
-(`bd_gdn`, README "Clover's block-diffusion Gated DeltaNet").
+(`bd_gdn`, docs/model.md).
 
 The all-attention layout (this project's earlier models, architecture `CloverMoeForDiffusionLM`):
 keys follow Qwen3-MoE, plus what Clover adds:
@@ -155,10 +155,8 @@ def _bd_groups(cfg: ModelConfig, prefix: str, shapes: dict[str, list[int]]) -> l
         if stack != "linear_layers":
             continue
         la = f"{qwen3_5_moe.layer_prefix(prefix, layer)}.linear_attn"
-        if len(right) == 3:
-            out.append(mapping.depthwise_conv(f"{la}.{CONV_RIGHT}", ("linear_layers.attn.conv_right", i), kr, c))
-        else:
-            out.append(mapping.linear(f"{la}.{CONV_RIGHT}", ("linear_layers.attn.conv_right", i), (kr, c), 1))
+        out.append(mapping.gdn_conv(f"{la}.{CONV_RIGHT}", ("linear_layers.attn.conv_right", i), kr, cfg,
+                                    squeezed=len(right) == 2))
         for hf_name, native in BD_SCALARS.items():
             shape = tuple(shapes.get(hf_name, (hv,)))
             n = int(np.prod(shape))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from clover_jax.config import ModelConfig
+from clover_jax.model import params
 
 Slot = tuple[str, int | None]  # (native weight name, index on its leading `layers` axis or None)
 
@@ -121,6 +122,35 @@ def depthwise_conv(hf_key: str, slot: Slot, kernel: int, channels: int) -> Group
                  to_hf=lambda a: [np.ascontiguousarray(a[0].T[:, None, :])])
 
 
+def gdn_qkv(hf_key: str, slot: Slot, cfg: ModelConfig) -> Group:
+    """A Gated DeltaNet's `in_proj_qkv` [C, D], rows [q (Hk dk) | k (Hk dk) | v (Hv dv)] <-> native qkv [D, C]
+    with its channels grouped by key head, heads major (`params.group_channels` flattened), a permutation."""
+    d, c, hk = cfg.d_model, cfg.linear_conv_dim, cfg.linear_num_key_heads
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(params.group_channels(np.asarray(a[0]).T, cfg).reshape(d, c))]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(params.ungroup_channels(np.asarray(a[0]).reshape(d, hk, -1), cfg).T)]
+
+    return Group(hf=(hf_key,), hf_shapes=((c, d),), native=(slot,), to_native=to_native, to_hf=to_hf)
+
+
+def gdn_conv(hf_key: str, slot: Slot, kernel: int, cfg: ModelConfig, squeezed: bool = False) -> Group:
+    """A Gated DeltaNet depthwise conv: an `nn.Conv1d` weight [C, 1, K] (or [C, K] with `squeezed`), channels
+    [q | k | v] as `gdn_qkv`'s rows <-> native [K, Hk, group] (`params.group_channels`)."""
+    c = cfg.linear_conv_dim
+    shape = (c, kernel) if squeezed else (c, 1, kernel)
+
+    def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(params.group_channels(np.asarray(a[0]).reshape(c, kernel).T, cfg))]
+
+    def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(params.ungroup_channels(np.asarray(a[0]), cfg).T).reshape(shape)]
+
+    return Group(hf=(hf_key,), hf_shapes=(shape,), native=(slot,), to_native=to_native, to_hf=to_hf)
+
+
 def per_head(hf_key: str, slot: Slot, shape: tuple[int, ...], heads: int) -> Group:
     """A per-head float32 vector stored in the source as `shape` (one value, or one per group of heads) <->
     native [heads]: each value repeated over its group of consecutive heads on import, every group's first
@@ -149,21 +179,20 @@ def gated_query(hf_key: str, slots: tuple[Slot, Slot], d: int, h: int, hd: int) 
 
 def fused_qkvz(hf_key: str, slots: tuple[Slot, Slot], d: int, hk: int, dk: int, hv: int, dv: int) -> Group:
     """Qwen3-Next's `in_proj_qkvz` [Hk * (2 dk + 2 r dv), D], r = Hv / Hk: per key head its query, key, its r
-    value heads and their r output gates <-> native qkv [D, q | k | v channels] and z [D, Hv, dv]."""
+    value heads and their r output gates <-> native qkv [D, C], C the key heads' [q | k | v of the head] (the
+    native grouping, `params.GatedDeltaNetWeights`) and z [D, Hv, dv]."""
     r = hv // hk
-    per_head = 2 * dk + 2 * r * dv
+    group = 2 * dk + r * dv
+    per_head = group + r * dv
 
     def to_native(a: Sequence[np.ndarray]) -> list[np.ndarray]:
         w = a[0].reshape(hk, per_head, d)
-        q, k = w[:, :dk].reshape(-1, d), w[:, dk:2 * dk].reshape(-1, d)
-        v, z = w[:, 2 * dk:2 * dk + r * dv].reshape(-1, d), w[:, 2 * dk + r * dv:].reshape(-1, d)
-        return [np.ascontiguousarray(np.concatenate([q, k, v]).T), np.ascontiguousarray(z.T.reshape(d, hv, dv))]
+        z = w[:, group:].reshape(-1, d)
+        return [np.ascontiguousarray(w[:, :group].reshape(-1, d).T), np.ascontiguousarray(z.T.reshape(d, hv, dv))]
 
     def to_hf(a: Sequence[np.ndarray]) -> list[np.ndarray]:
-        qkv, z = a[0].T, a[1].reshape(d, hv * dv).T
-        q, k, v = qkv[:hk * dk], qkv[hk * dk:2 * hk * dk], qkv[2 * hk * dk:]
-        parts = [q.reshape(hk, dk, d), k.reshape(hk, dk, d), v.reshape(hk, r * dv, d), z.reshape(hk, r * dv, d)]
-        return [np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(hk * per_head, d))]
+        qkv, z = a[0].T.reshape(hk, group, d), a[1].reshape(d, hv * dv).T.reshape(hk, r * dv, d)
+        return [np.ascontiguousarray(np.concatenate([qkv, z], axis=1).reshape(hk * per_head, d))]
 
     return Group(hf=(hf_key,), hf_shapes=((hk * per_head, d),), native=slots, to_native=to_native, to_hf=to_hf)
 

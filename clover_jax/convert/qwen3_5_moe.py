@@ -206,12 +206,11 @@ def backbone_groups(cfg: ModelConfig, fused_experts: bool, fused_linear: bool, p
                                          hv, dv),
                       mapping.fused_ba(f"{la}.in_proj_ba.weight", ((f"{a}.b", i), (f"{a}.a", i)), d, hk, hv)]
             else:
-                g += [mapping.linear(f"{la}.in_proj_qkv.weight", (f"{a}.qkv", i), (d, cfg.linear_conv_dim), 1),
+                g += [mapping.gdn_qkv(f"{la}.in_proj_qkv.weight", (f"{a}.qkv", i), cfg),
                       mapping.linear(f"{la}.in_proj_z.weight", (f"{a}.z", i), (d, hv, dv), 1),
                       mapping.linear(f"{la}.in_proj_b.weight", (f"{a}.b", i), (d, hv), 1),
                       mapping.linear(f"{la}.in_proj_a.weight", (f"{a}.a", i), (d, hv), 1)]
-            g += [mapping.depthwise_conv(f"{la}.conv1d.weight", (f"{a}.conv", i), cfg.linear_conv_kernel_dim,
-                                         cfg.linear_conv_dim),
+            g += [mapping.gdn_conv(f"{la}.conv1d.weight", (f"{a}.conv", i), cfg.linear_conv_kernel_dim, cfg),
                   mapping.copy(f"{la}.A_log", (f"{a}.a_log", i), (hv,)),
                   mapping.copy(f"{la}.dt_bias", (f"{a}.dt_bias", i), (hv,)),
                   mapping.copy(f"{la}.norm.weight", (f"{a}.norm", i), (dv,)),

@@ -31,8 +31,12 @@ def as_tuple(rule: MeshAxes) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ShardingRules:
-    """Logical axis -> mesh axes. The defaults are expert-parallel: experts over `expert`, heads and
-    MLP widths over `tensor`, the batch over `data`; everything else replicated."""
+    """Logical axis -> mesh axes. The defaults are expert-parallel: experts over `expert`, heads (attention and
+    Gated DeltaNet) and MLP widths over `tensor`, the batch over `data`; everything else replicated.
+
+    Gated DeltaNet: `linear_key_heads` and `linear_heads` should map to the same mesh axes, so that each device
+    holds the value heads that read its own key heads (`params.GatedDeltaNetWeights`); other choices still
+    compute the same function, with more communication."""
 
     batch: MeshAxes = "data"
     seq: MeshAxes = None
@@ -45,8 +49,9 @@ class ShardingRules:
     experts: MeshAxes = "expert"
     expert_mlp: MeshAxes = "tensor"
     experts_replicated: MeshAxes = None
-    linear_heads: MeshAxes = None  # Gated DeltaNet value heads
-    linear_conv: MeshAxes = None  # Gated DeltaNet conv channels (queries | keys | values)
+    linear_heads: MeshAxes = "tensor"  # Gated DeltaNet value heads (and their state)
+    linear_key_heads: MeshAxes = "tensor"  # Gated DeltaNet key heads: the groups of its conv channels
+    linear_conv: MeshAxes = None  # Gated DeltaNet conv channels inside a key-head group (q | k | v of that head)
     layers: MeshAxes = None
     norm: MeshAxes = None
 

@@ -14,13 +14,17 @@ q and k arrive L2-normalised; the `Hv` value heads share the `Hk` key heads in c
   into a unit lower-triangular solve (the WY / UT form of DeltaNet), and a `lax.scan` carries the
   state from chunk to chunk (long inputs, prefill, training).
 
-Both take and return the state, so running a prefix and then the rest equals running the whole.
+Block diffusion reads the state at the start of each position's block instead (`delta_rule_blocks`, one
+step per position; `delta_rule_blocks_chunked`, the chunked form of it for windows over BLOCKS_SCAN_MAX).
+
+All take and return the state, so running a prefix and then the rest equals running the whole.
 Padding: the caller sets g = 0 and beta = 0 at padding columns (`mask_padding`), which makes them
 no-ops for the state (no decay, no write); `causal_conv` keeps the last valid inputs as its tail.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,13 +41,20 @@ CHUNK = 64  # positions per chunk of the chunked form
 # Windows up to this length run the recurrent form: on the 2-core CPU it was faster up to 2048 positions
 # (benchmarks/forward.py --gdn); longer ones (prefill) run chunked, whose sequential depth is T / CHUNK.
 RECURRENT_MAX = 256
+# Block-diffusion windows (prefill, training) longer than this run `delta_rule_blocks_chunked` (chunks of CHUNK
+# columns or more: a chunk holds a whole block), shorter ones the position scan `delta_rule_blocks`. As for the
+# plain rule, the scan is faster forward on the 2-core CPU (16K positions, clover-tiny's heads: 0.14 s, chunked
+# 0.23 s; benchmarks/long_context.py), the chunked form's backward about 2x faster (training), and its
+# sequential depth T / CHUNK is what accelerators need.
+BLOCKS_SCAN_MAX = 256
 
 
 class MixerState(NamedTuple):
     """What a Gated DeltaNet layer carries from one window to the next, per row."""
 
     recurrent: Array  # [B, Hv, dk, dv] float32: the delta-rule state
-    conv_tail: Array  # [B, K-1, conv channels]: the last K-1 inputs of the conv
+    conv_tail: Array  # [B, K-1, conv channels]: the last K-1 inputs of the conv (channels grouped by key head,
+    # as `params.GatedDeltaNetWeights.qkv`'s)
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
@@ -200,12 +211,52 @@ def delta_rule_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array,
     return jnp.moveaxis(o, 0, 1), state
 
 
+def _to_chunks(a: Array, chunk: int) -> Array:
+    """[B, T, H, ...] -> [N, B, H, C, ...] in float32 (a [B, T] array -> [N, B, 1, C]), T padded with zeros to N
+    chunks of C = `chunk` columns."""
+    if a.ndim == 2:
+        a = a[:, :, None]
+    b, t = a.shape[:2]
+    n = -(-t // chunk)
+    a = jnp.pad(a, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (a.ndim - 2))
+    a = a.reshape(b, n, chunk, *a.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
+
+
+def _from_chunks(a: Array, t: int) -> Array:
+    """[N, B, H, C, d] -> [B, T, H, d], the first t columns."""
+    n, b, h, c, d = a.shape
+    return jnp.swapaxes(jnp.moveaxis(a, 0, 2).reshape(b, h, n * c, d)[:, :, :t], 1, 2)
+
+
+def _wy(k: Array, v: Array, beta: Array, cum: Array, runs: Array | None = None, start: Array | None = None,
+        ) -> tuple[Array, Array, Array]:
+    """A chunk of delta-rule updates in the WY / UT form: (U, W, D) with D[i, j] = exp(cum_i - cum_j) for j <= i
+    in one run (else 0) and
+      (I + strict_lower(diag(beta) K K^T * D)) [U | W] = [diag(beta) V | diag(beta) diag(exp(cum - start)) K],
+    so that a run starting from state S writes the corrected values V' = U - W S. k [..., C, dk], v [..., C, dv],
+    beta and cum (cumulative log decay) [..., C]; runs [..., C, C] (None: one run): whether positions i and j
+    belong to one run; start [..., C] (None: 0): the cumulative decay before each position's run."""
+    c = k.shape[-2]
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    see = lower if runs is None else lower & runs
+    decay = jnp.exp(jnp.where(see, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    kb = k * beta[..., None]
+    strict = jnp.where(~jnp.eye(c, dtype=bool), jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(cum if start is None else cum - start)[..., None]], -1)
+    # (Block forward substitution rather than lax.linalg.triangular_solve: on XLA:CPU (jax 0.10) the
+    # triangular solve inside the layer scan next to the tiled MoE dispatch gave wrong results; see
+    # tests/test_hybrid_dispatch.py.)
+    solved = _unit_lower_solve(strict, rhs)
+    return solved[..., :v.shape[-1]], solved[..., v.shape[-1]:], decay
+
+
 def delta_rule_chunked(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array | None = None,
                        chunk: int = 64) -> tuple[Array, Array]:
     """The gated delta rule in chunks of `chunk` positions; same contract as `delta_rule_recurrent`.
 
     Inside a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i:
-      (I + strict_lower(diag(beta) K K^T * D)) [U | W] = [diag(beta) V | diag(beta) diag(exp(G)) K]
+      (I + strict_lower(diag(beta) K K^T * D)) [U | W] = [diag(beta) V | diag(beta) diag(exp(G)) K],
       V' = U - W S,   O = diag(exp(G)) Q S + lower(Q K^T * D) V',
       S <- exp(G_C) S + (diag(exp(G_C - G)) K)^T V'.
     T is padded to a multiple of `chunk` with no-op positions (g = beta = 0).
@@ -213,33 +264,15 @@ def delta_rule_chunked(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
     b, t, hv, dv = v.shape
     dk = q.shape[-1]
     q, k = _group_keys(q, k, hv)
-    f32 = jnp.float32
-    q = q.astype(f32) * dk**-0.5
-    pad = (-t) % chunk
-    n = (t + pad) // chunk
-
-    def chunks(a: Array) -> Array:  # [B, T, H, ...] -> [N, B, H, C, ...]
-        a = jnp.pad(a.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape(b, n, chunk, *a.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
-
-    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))  # q [N, B, H, C, dk], g [N, B, H, C]
-    cum = jnp.cumsum(g, axis=-1)
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
-    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [N, B, H, C, C]
-    kb = k * beta[..., None]
-    strict = jnp.where(lower & ~jnp.eye(chunk, dtype=bool), jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
-    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(cum)[..., None]], axis=-1)
-    # (Block forward substitution rather than lax.linalg.triangular_solve: on XLA:CPU (jax 0.10) the
-    # triangular solve inside the layer scan next to the tiled MoE dispatch gave wrong results; see
-    # tests/test_hybrid_dispatch.py.)
-    solved = _unit_lower_solve(strict, rhs)
-    u, w = solved[..., :dv], solved[..., dv:]
+    q = q.astype(jnp.float32) * dk**-0.5
+    q, k, v, g, beta = (_to_chunks(a.astype(jnp.float32), chunk) for a in (q, k, v, g, beta))  # q [N, B, H, C, dk]
+    cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+    u, w, decay = _wy(k, v, beta, cum)
     attn = jnp.einsum("...id,...jd->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, B, H, 1, 1]
-    state = _zero_state(b, hv, dk, dv) if state is None else state.astype(f32)
+    state = _zero_state(b, hv, dk, dv) if state is None else state.astype(jnp.float32)
 
     def step(s: Array, x: tuple) -> tuple[Array, Array]:
         u_c, w_c, attn_c, q_c, k_c, d_c = x
@@ -248,8 +281,7 @@ def delta_rule_chunked(q: Array, k: Array, v: Array, g: Array, beta: Array, stat
         return s * d_c + jnp.swapaxes(k_c, -1, -2) @ v_new, o
 
     state, o = jax.lax.scan(step, state, (u, w, attn, q_decayed, k_decayed, chunk_decay))  # o [N, B, H, C, dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(b, hv, n * chunk, dv)[:, :, :t]
-    return jnp.swapaxes(o, 1, 2), state
+    return _from_chunks(o, t), state
 
 
 class Stream(NamedTuple):
@@ -322,6 +354,126 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
     return jnp.moveaxis(o, 0, 1), None if on is None else jnp.moveaxis(on, 0, 1), final if kept is None else kept
 
 
+def _block_starts(blocks: Array, valid: Array) -> Array:
+    """[B, T] the column where each column's block starts, as `delta_rule_blocks` reads it: the last valid
+    column <= t whose block id differs from the previous valid column's (block ids >= 0); a column with none
+    before it (leading padding) is its own start."""
+    col = jnp.broadcast_to(jnp.arange(blocks.shape[1]), blocks.shape)
+    last = jax.lax.cummax(jnp.where(valid, col, -1), axis=1)  # the last valid column <= t
+    cur = jnp.where(last >= 0, jnp.take_along_axis(blocks, jnp.maximum(last, 0), axis=1), -1)
+    prev = jnp.pad(cur[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    start = jax.lax.cummax(jnp.where(valid & (blocks != prev), col, -1), axis=1)
+    return jnp.where(start >= 0, start, col)
+
+
+def delta_rule_blocks_chunked(x: Stream, blocks: Array, valid: Array, state: Array | None = None,
+                              commit: Array | int | None = None, history: bool = False,
+                              noisy: Stream | None = None, chunk: int = CHUNK) -> tuple[Array, Array | None, Array]:
+    """`delta_rule_blocks` in chunks of `chunk` positions (the chunked algorithm of `delta_rule_chunked`): same
+    contract, every combination of history / noisy / commit, and the same results (float32 rounding), for block
+    ids >= 0 and blocks that never cover more than `chunk` columns from their first valid column to the next
+    block's (longer ones give wrong read-outs; padding columns past that reach read finite, unspecified values).
+    commit: a scalar, as in `delta_rule_blocks`. chunk: a power of two keeps the triangular solves fast.
+
+    The state before column s of a chunk window (chunk c-1 then chunk c, start state P, cumulative log decay G
+    over the window, G before its first column = 0, V' the corrected values) is
+        S_s- = exp(G_{s-1}) P + sum_{j<s} exp(G_{s-1} - G_j) k_j v'_j^T,
+    so a read-out x_t . S_r- of the state before column r (r = t's block start, or t + 1 for the causal
+    read-out) is the chunked output formula with the decay taken at r - 1 and masked to j < r: a block starting
+    in chunk c-1 or c, the window holds it. The scan carries the state at the start of chunk c and of chunk c-1
+    and chunk c-1's V'. A noisy block running causally from its block-start state S_b (history=False) is the
+    WY form of that run, solved over the window (its blocks are runs): V'_n = U_n - W_n S_b,
+    O_n = diag(exp(G^n)) Q_n S_b + L_n V'_n = R(diag(exp(G^n)) Q_n - L_n W_n) + L_n U_n, R the per-row read of
+    S_b (L_n mixes rows of one block only, which read the same S_b). commit: the state before column `commit`
+    of its chunk, from that chunk's start state and V'.
+    """
+    b, t, hv, dv = x.v.shape
+    dk = x.q.shape[-1]
+    f32 = jnp.float32
+    n = -(-t // chunk)
+
+    def chunked(st: Stream) -> tuple[Array, ...]:  # q, k, v, g, beta as [N, B, H, C, ...]
+        q, k = _group_keys(st.q, st.k, hv)
+        q = q.astype(f32) * dk**-0.5
+        return tuple(_to_chunks(a.astype(f32), chunk) for a in (q, k, st.v, st.g, st.beta))
+
+    def window(a: Array, fill: Any = 0) -> Array:  # chunk arrays [N, B, H, C, ...] -> chunk c-1, then c: 2C
+        return jnp.concatenate([jnp.concatenate([jnp.full_like(a[:1], fill), a[:-1]]), a], axis=3)
+
+    def before(cum: Array, at: Array) -> tuple[Array, Array]:
+        """(r, G_{r-1}): the window index of columns `at` [N, B, 1, R] and the window's cumulative log decay
+        cum [N, B, H, 2C] before it (0 at the window's start)."""
+        r = jnp.clip(at - first, 0, 2 * chunk)
+        return r, jnp.take_along_axis(jnp.pad(cum, [(0, 0)] * 3 + [(1, 0)]),
+                                      jnp.broadcast_to(r, (*cum.shape[:3], r.shape[-1])), axis=-1)
+
+    q, k, v, g, beta = chunked(x)
+    cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+    u, w, _ = _wy(k, v, beta, cum)
+    k_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # decayed to the chunk's end
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+    k2, cum2 = window(k), jnp.cumsum(window(g), axis=-1)  # the window's keys and decay
+    starts = _to_chunks(_block_starts(blocks.astype(jnp.int32), valid), chunk)  # [N, B, 1, C]
+    first = ((jnp.arange(n) - 1) * chunk)[:, None, None, None]  # the window's first column
+    col = first + chunk + jnp.arange(chunk)
+
+    def reads(rows: Array, at: Array) -> tuple[Array, Array]:
+        """rows [N, B, H, C, dk] . S_{at}- as (rows * exp(G_{r-1}): read P, A [N, B, H, C, 2C]: read the V')."""
+        r, g_r = before(cum2, at)
+        see = jnp.arange(2 * chunk) < r[..., None]
+        a = jnp.einsum("...id,...jd->...ij", rows, k2) * jnp.exp(
+            jnp.where(see, g_r[..., None] - cum2[..., None, :], -jnp.inf))
+        return rows * jnp.exp(g_r)[..., None], a
+
+    streams = [reads(q, starts if history else col + 1)]
+    extra = None
+    if noisy is not None:
+        qn, kn, vn, gn, bn = chunked(noisy)
+        if history:
+            streams.append(reads(qn, starts))
+        else:  # the noisy blocks as runs over the window, from their block-start states
+            qn, kn, vn, bn, sn = window(qn), window(kn), window(vn), window(bn), window(starts, -1)
+            cumn = jnp.cumsum(window(gn), axis=-1)
+            g_run = before(cumn, sn)[1]  # G^n before each column's run
+            un, wn, dn = _wy(kn, vn, bn, cumn, sn[..., :, None] == sn[..., None, :], g_run)
+            ln = (jnp.einsum("...id,...jd->...ij", qn, kn) * dn)[..., chunk:, :]  # chunk c's rows
+            xn = (qn * jnp.exp(cumn - g_run)[..., None])[..., chunk:, :] - ln @ wn
+            streams.append(reads(xn, starts))
+            extra = _from_chunks(ln @ un, t)
+    q_read = jnp.concatenate([s[0] for s in streams], axis=3)  # [N, B, H, R C, dk]
+    a_read = jnp.concatenate([s[1] for s in streams], axis=3)  # [N, B, H, R C, 2C]
+    state = _zero_state(b, hv, dk, dv) if state is None else state.astype(f32)
+    idx = jnp.arange(n)
+    if commit is not None:  # the state before column m: chunk cm's start state, then its first mu columns
+        m = jnp.clip(jnp.asarray(commit, jnp.int32), 0, t)
+        cm = jnp.minimum(m // chunk, n - 1)
+        mu = m - cm * chunk
+        cum_m = jnp.pad(jnp.take(cum, cm, axis=0), [(0, 0), (0, 0), (1, 0)])  # [B, H, C+1]: G before each column
+        g_m = jax.lax.dynamic_index_in_dim(cum_m, mu, -1)  # G_{mu-1} [B, H, 1]
+        k_m = jnp.take(k, cm, axis=0) * jnp.exp(jnp.where(jnp.arange(chunk) < mu, g_m - cum_m[..., 1:], -jnp.inf)
+                                                )[..., None]
+
+    def step(carry: tuple, xs: tuple) -> tuple[tuple, Array]:
+        s, p, v_prev, *snap = carry
+        u_c, w_c, k_c, d_c, q_c, a_c, i = xs
+        v_new = u_c - w_c @ s
+        o = q_c @ p + a_c @ jnp.concatenate([v_prev, v_new], axis=-2)
+        if snap:  # chunk cm's start state and V'
+            snap = [jnp.where(i == cm, s, snap[0]), jnp.where(i == cm, v_new, snap[1])]
+        return (s * d_c + jnp.swapaxes(k_c, -1, -2) @ v_new, s, v_new, *snap), o
+
+    init = (state, state, jnp.zeros((b, hv, chunk, dv), f32))
+    if commit is not None:
+        init += (state, init[2])
+    (final, _, _, *snap), o = jax.lax.scan(step, init, (u, w, k_end, chunk_decay, q_read, a_read, idx))
+    if commit is not None:
+        final = snap[0] * jnp.exp(g_m)[..., None] + jnp.swapaxes(k_m, -1, -2) @ snap[1]
+    o = o.reshape(*o.shape[:3], len(streams), chunk, dv)
+    outs = [_from_chunks(o[:, :, :, i], t) for i in range(len(streams))]
+    on = None if noisy is None else outs[1] if extra is None else outs[1] + extra
+    return outs[0], on, final
+
+
 def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, valid: Array,
                       w: GatedDeltaNetWeights, span: int) -> Array:
     """The in-block softmax of the block-diffusion Gated DeltaNet, mixed with the history read-out.
@@ -384,28 +536,53 @@ def initial_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 def _groups(cfg: ModelConfig) -> tuple[slice, slice, slice]:
-    """The conv channels of q, k and v: [queries | keys | values]."""
-    qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    return slice(0, qk), slice(qk, 2 * qk), slice(2 * qk, None)
+    """The q, k and v channels inside one key-head group of the conv (`params.GatedDeltaNetWeights`):
+    [queries (dk) | keys (dk) | values (r dv)]."""
+    dk = cfg.linear_key_head_dim
+    return slice(0, dk), slice(dk, 2 * dk), slice(2 * dk, None)
+
+
+def _part(a: Array, g: slice) -> Array:
+    """Channels `g` of every key-head group of a [..., Hk, group] array, heads major: [..., Hk * width]; for q and k
+    that is [Hk, dk] flattened, for v [Hv, dv] (value head j in group j // r), the layouts `_heads` reshapes.
+    The head axis is the major one, so a split of the key heads stays a contiguous split of these channels."""
+    a = a[..., g]
+    return a.reshape(*a.shape[:-2], a.shape[-2] * a.shape[-1])
+
+
+def _project(x: Array, w: GatedDeltaNetWeights) -> Array:
+    """The conv's input x @ qkv: x [B, T, D] -> [B, T, Hk, group] (qkv's C channels are Hk groups, heads major,
+    as the conv's [K, Hk, group] taps)."""
+    # The barrier keeps the TPU compiler from laying out the matmul's output for the reshape, which it did by
+    # copying the whole stacked qkv weight into a transposed layout ahead of the layer scan (1 GB per chip of
+    # temporaries for Clover-35B); behind it the reshape moves only this window's activations.
+    proj = jax.lax.optimization_barrier(quant.matmul(x, w.qkv))
+    return proj.reshape(*proj.shape[:-1], w.conv.shape[-2], -1)
 
 
 def _by_group(conv: Callable[..., Array], proj: Array, weight: Array, cfg: ModelConfig, *rest: Any) -> list[Array]:
-    """`conv(proj, weight, *rest)` on the q, k and v channels one group at a time: XLA recomputes an elementwise
-    producer inside each of its consumers, so a conv over all channels was recomputed whole in every consumer of
-    q, k or v (on the CPU the largest cost of a block-diffusion refinement pass); per group, each consumer
-    recomputes only its own channels."""
-    return [conv(proj[..., g], weight[:, g], *rest) for g in _groups(cfg)]
+    """`conv(proj, weight, *rest)` on the q, k and v channels one group at a time (proj [B, T, Hk, group], weight
+    [K, Hk, group]; `_part`): XLA recomputes an elementwise producer inside each of its consumers, so a conv over
+    all channels was recomputed whole in every consumer of q, k or v (on the CPU the largest cost of a
+    block-diffusion refinement pass); per group, each consumer recomputes only its own channels."""
+    return [conv(_part(proj, g), _part(weight, g), *rest) for g in _groups(cfg)]
 
 
 def _causal_by_group(proj: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, tail: Array | None, valid: Array,
                      keep: Array | None = None) -> tuple[list[Array], Array]:
-    """`causal_conv` per channel group: ([q, k, v] conv outputs, the conv tail of all channels)."""
+    """`causal_conv` per channel group: ([q, k, v] conv outputs, the conv tail of all channels). proj [B, T, Hk,
+    group]; tail (in and out) [B, K-1, C] with C in key-head-group order, as the weights' channels, so that a
+    split of the key heads is a contiguous split of C."""
+    hk = proj.shape[-2]
+    grouped = None if tail is None else tail.reshape(*tail.shape[:2], hk, -1)
     outs, tails = [], []
     for g in _groups(cfg):
-        y, tl = causal_conv(proj[..., g], w.conv[:, g], None if tail is None else tail[..., g], valid, keep)
+        y, tl = causal_conv(_part(proj, g), _part(w.conv, g), None if grouped is None else _part(grouped, g), valid,
+                            keep)
         outs.append(y)
-        tails.append(tl)
-    return outs, jnp.concatenate(tails, axis=-1)
+        tails.append(tl.reshape(*tl.shape[:2], hk, -1))
+    tail = jnp.concatenate(tails, axis=-1)
+    return outs, tail.reshape(*tail.shape[:2], -1)
 
 
 def _heads(mixed: list[Array], x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None) -> Stream:
@@ -427,6 +604,15 @@ def _output(o: Array, x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig) -> Ar
     z = quant.einsum("btd,dhk->bthk", x, w.z)
     o = rms_norm_gated(o.astype(x.dtype), z, w.norm, cfg.norm_eps)
     return quant.einsum("bthk,hkd->btd", o, w.out)
+
+
+def _blocks_rule(width: int, cfg: ModelConfig) -> Callable[..., tuple[Array, Array | None, Array]]:
+    """The block-aware delta rule for a window of `width` columns: the position scan (`delta_rule_blocks`) up to
+    BLOCKS_SCAN_MAX columns, else the chunked form in chunks of CHUNK columns, or of the next power of two that
+    holds a block (`cfg.block_size` columns, as `inblock_attention` assumes)."""
+    if width <= BLOCKS_SCAN_MAX:
+        return delta_rule_blocks
+    return functools.partial(delta_rule_blocks_chunked, chunk=max(CHUNK, 1 << (cfg.block_size - 1).bit_length()))
 
 
 def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | None = None,
@@ -461,7 +647,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     x = jnp.where(valid[:, :, None], x, 0)
     if two_stream:
         return _two_stream(x, w, cfg, valid, blocks)
-    proj = quant.matmul(x, w.qkv)
+    proj = _project(x, w)
     keep = None if commit is None else valid & (jnp.arange(x.shape[1])[None] < commit)
     mixed, tail = _causal_by_group(proj, w, cfg, None if state is None else state.conv_tail, valid, keep)
     if bd:
@@ -479,7 +665,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
         q, _ = _group_keys(st.q, st.k, cfg.linear_num_value_heads)
         o = jnp.einsum("bthk,bhkv->bthv", q.astype(jnp.float32) * cfg.linear_key_head_dim**-0.5, recurrent)
     else:
-        o, _, recurrent = delta_rule_blocks(st, blocks, valid, initial, commit, history=bd)
+        o, _, recurrent = _blocks_rule(x.shape[1], cfg)(st, blocks, valid, initial, commit, history=bd)
     if bd:
         o = inblock_attention(st.q, st.k, st.v, o, blocks, valid, w, cfg.block_size)
     return _output(o, x, w, cfg), MixerState(recurrent, tail)
@@ -492,15 +678,15 @@ def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Arra
     seq = x.shape[1] // 2
     xn, xc = x[:, :seq], x[:, seq:]
     valid, blocks = valid[:, seq:], blocks[:, seq:]
-    pn, pc = quant.matmul(xn, w.qkv), quant.matmul(xc, w.qkv)
+    pn, pc = _project(xn, w), _project(xc, w)
     mixed_c, tail = _causal_by_group(pc, w, cfg, None, valid)
-    mixed_n = [two_stream_conv(pn[..., g], pc[..., g], w.conv[:, g], blocks) for g in _groups(cfg)]
+    mixed_n = [two_stream_conv(_part(pn, g), _part(pc, g), _part(w.conv, g), blocks) for g in _groups(cfg)]
     if bd:
         right_c, right_n = (_by_group(right_conv, p, w.conv_right, cfg, blocks, valid) for p in (pc, pn))
         mixed_c = [m + r for m, r in zip(mixed_c, right_c, strict=True)]
         mixed_n = [m + r for m, r in zip(mixed_n, right_n, strict=True)]
     clean, noisy = _heads(mixed_c, xc, w, cfg, valid), _heads(mixed_n, xn, w, cfg, valid)
-    oc, on, recurrent = delta_rule_blocks(clean, blocks, valid, history=bd, noisy=noisy)
+    oc, on, recurrent = _blocks_rule(seq, cfg)(clean, blocks, valid, history=bd, noisy=noisy)
     if bd:
         oc = inblock_attention(clean.q, clean.k, clean.v, oc, blocks, valid, w, cfg.block_size)
         on = inblock_attention(noisy.q, noisy.k, noisy.v, on, blocks, valid, w, cfg.block_size)

@@ -116,10 +116,20 @@ class AttentionWeights:
 
 @struct.dataclass
 class GatedDeltaNetWeights:
-    """A Gated DeltaNet (linear attention) mixer; conv channels are [queries | keys | values]."""
+    """A Gated DeltaNet (linear attention) mixer.
 
-    qkv: Any  # [embed, linear_conv] projection to the conv's channels
-    conv: Any  # [conv_kernel, linear_conv] depthwise causal conv
+    Its C conv channels are grouped by key head (`group_channels`): group g is [the queries of key head g (dk) |
+    its keys (dk) | the values of the r = Hv / Hk value heads that read it (r dv)], `linear_group_dim(cfg)`
+    channels. So one split of the key heads (`linear_key_heads`) in contiguous blocks splits q, k, v, both
+    convs and the conv tail by heads, and a split of the value heads (`linear_heads`) over the same mesh axis
+    gives every device the value heads of its own key heads (z, a, b, out, the per-head vectors, the state).
+    The convs keep the key heads as an axis of their own; the projection `qkv` keeps them flattened into C
+    (heads major), the 2-D matmul of the fused layout, which the TPU compiler runs on the stored weight without
+    first copying it into another layout (it copies a stacked [embed, heads, ...] projection whole).
+    """
+
+    qkv: Any  # [embed, linear_key_heads] projection to the conv's C channels (Hk groups of linear_group_dim)
+    conv: Any  # [conv_kernel, linear_key_heads, linear_conv] depthwise causal conv
     z: Any  # [embed, linear_heads, head_dim] output-gate projection
     b: Any  # [embed, linear_heads] -> beta = sigmoid(b)
     a: Any  # [embed, linear_heads] -> g = -exp(a_log) * softplus(a + dt_bias)
@@ -128,7 +138,8 @@ class GatedDeltaNetWeights:
     norm: Any  # [head_dim] float32 scale of the gated RMSNorm
     out: Any  # [linear_heads, head_dim, embed]
     # Clover's block-diffusion tensors (None unless cfg.has_bd_weights); see gated_deltanet.block_mixer.
-    conv_right: Any = None  # [bd_conv_right_kernel, linear_conv] right-looking depthwise conv inside a block
+    conv_right: Any = None  # [bd_conv_right_kernel, linear_key_heads, linear_conv] right-looking depthwise conv
+    # inside a block
     bd_logit_scale: Any = None  # [linear_heads] float32 scale of the in-block softmax logits
     bd_history_bias: Any = None  # [linear_heads] float32 logit of the history slot
     bd_history_c: Any = None  # [linear_heads] float32 coefficient of the history read-out
@@ -184,13 +195,51 @@ def _attention(cfg: ModelConfig) -> AttentionWeights:
     )
 
 
+def linear_group_dim(cfg: ModelConfig) -> int:
+    """Conv channels per key-head group of a Gated DeltaNet: 2 dk + (Hv / Hk) dv (`GatedDeltaNetWeights`)."""
+    return (2 * cfg.linear_key_head_dim
+            + cfg.linear_num_value_heads // cfg.linear_num_key_heads * cfg.linear_value_head_dim)
+
+
+def _channel_parts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(Hk, dk, r dv): the key heads and the per-group widths of queries / keys and of values."""
+    hk = cfg.linear_num_key_heads
+    return hk, cfg.linear_key_head_dim, cfg.linear_num_value_heads // hk * cfg.linear_value_head_dim
+
+
+def group_channels(x: Any, cfg: ModelConfig) -> Any:
+    """Gated DeltaNet conv channels from the fused order to the native one: x [..., C] with C = [queries (Hk dk) |
+    keys (Hk dk) | values (Hv dv)] (HF's `in_proj_qkv` rows and conv channels, and native checkpoints written
+    before the grouping) -> [..., Hk, linear_group_dim(cfg)], group g = [q_g | k_g | the values of value heads
+    g r .. g r + r - 1]. A pure permutation (bit-exact); numpy in, numpy out, a jax array in, a jax array out."""
+    hk, dk, vd = _channel_parts(cfg)
+    if x.shape[-1] != hk * (2 * dk + vd):
+        raise ValueError(f"{x.shape[-1]} channels, expected {hk * (2 * dk + vd)} ([q | k | v] of {cfg.name!r})")
+    xp = jnp if isinstance(x, jax.Array) else np
+    lead = x.shape[:-1]
+    q, k, v = x[..., :hk * dk], x[..., hk * dk:2 * hk * dk], x[..., 2 * hk * dk:]
+    return xp.concatenate([q.reshape(*lead, hk, dk), k.reshape(*lead, hk, dk), v.reshape(*lead, hk, vd)], axis=-1)
+
+
+def ungroup_channels(x: Any, cfg: ModelConfig) -> Any:
+    """The inverse of `group_channels`: [..., Hk, linear_group_dim(cfg)] -> [..., C] in [q | k | v] order."""
+    hk, dk, vd = _channel_parts(cfg)
+    if tuple(x.shape[-2:]) != (hk, 2 * dk + vd):
+        raise ValueError(f"channels {tuple(x.shape[-2:])}, expected {(hk, 2 * dk + vd)} (groups of {cfg.name!r})")
+    xp = jnp if isinstance(x, jax.Array) else np
+    lead = x.shape[:-2]
+    parts = (x[..., :dk], x[..., dk:2 * dk], x[..., 2 * dk:])
+    return xp.concatenate([a.reshape(*lead, -1) for a in parts], axis=-1)
+
+
 def _gated_deltanet(cfg: ModelConfig) -> GatedDeltaNetWeights:
-    d, hv, dv, c = cfg.d_model, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+    d, hv, dv = cfg.d_model, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    hk, p = cfg.linear_num_key_heads, linear_group_dim(cfg)
     dt, std = jnp.dtype(cfg.dtype), cfg.init_std
     f32 = jnp.float32
     return GatedDeltaNetWeights(
-        qkv=ParamSpec((d, c), dt, ("embed", "linear_conv"), std=std, contract=(0,)),
-        conv=ParamSpec((cfg.linear_conv_kernel_dim, c), dt, (None, "linear_conv"), std=0.5),
+        qkv=ParamSpec((d, hk * p), dt, ("embed", "linear_key_heads"), std=std, contract=(0,)),
+        conv=ParamSpec((cfg.linear_conv_kernel_dim, hk, p), dt, (None, "linear_key_heads", "linear_conv"), std=0.5),
         z=ParamSpec((d, hv, dv), dt, ("embed", "linear_heads", "head_dim"), std=std, contract=(0,)),
         b=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std, contract=(0,)),
         a=ParamSpec((d, hv), dt, ("embed", "linear_heads"), std=std, contract=(0,)),
@@ -207,8 +256,8 @@ def _block_diffusion(cfg: ModelConfig) -> dict[str, ParamSpec]:
     one plus a moderately sharp in-block softmax: no right conv, logit scale sqrt(dk), history slot at par."""
     hv, f32 = cfg.linear_num_value_heads, jnp.float32
     return dict(
-        conv_right=ParamSpec((cfg.bd_conv_right_kernel, cfg.linear_conv_dim), jnp.dtype(cfg.dtype),
-                             (None, "linear_conv"), init="zeros"),
+        conv_right=ParamSpec((cfg.bd_conv_right_kernel, cfg.linear_num_key_heads, linear_group_dim(cfg)),
+                             jnp.dtype(cfg.dtype), (None, "linear_key_heads", "linear_conv"), init="zeros"),
         bd_logit_scale=ParamSpec((hv,), f32, ("linear_heads",), init="constant",
                                  value=float(cfg.linear_key_head_dim) ** 0.5),
         bd_history_bias=ParamSpec((hv,), f32, ("linear_heads",), init="zeros"),

@@ -112,11 +112,11 @@ def weights_touched_per_chip(cfg: ModelConfig, by_kind: dict[str, int], tokens: 
 
 def cache_bytes_per_chip(cfg: ModelConfig, layout: Layout, rows: int, columns: int) -> int:
     """Bytes of a cache of `rows` x `columns` one chip holds: the attention K/V split as its logical axes
-    ([layers, batch, seq, kv_heads, head_dim]) map onto the layout, the Gated DeltaNet state split by
-    batch only (as `serving.program.state_shardings` places it)."""
+    ([layers, batch, seq, kv_heads, head_dim]) map onto the layout, the Gated DeltaNet state split by batch and
+    by heads (as `serving.program.state_shardings` places it)."""
     kv = cache_bytes(cfg, rows, columns) - rows * linear_state_bytes(cfg)
     kv_split = shards(layout, "layers", "batch", "seq", "kv_heads", "head_dim")
-    return kv // kv_split + rows * linear_state_bytes(cfg) // shards(layout, "batch")
+    return kv // kv_split + rows * linear_state_bytes(cfg) // shards(layout, "batch", "linear_heads")
 
 
 def linear_state_bytes(cfg: ModelConfig) -> int:

@@ -102,20 +102,23 @@ def prefill_widths(columns: int, block_length: int) -> tuple[int, ...]:
 
 def state_shardings(state: SlotState, mesh: MeshRules) -> SlotState:
     """Where a state lives on `mesh`: rows over the mesh's batch axes (per-row leaves [B, ...], cache
-    leaves [layers, B, ...]; attention K/V also split their KV heads as the model does)."""
+    leaves [layers, B, ...]); the cache also split by heads as the model's weights are: attention K/V by KV
+    head, the Gated DeltaNet state [layers, B, Hv, dk, dv] by value head and its conv tail [layers, B, K-1, C]
+    by key-head group (C is grouped by key head, `params.GatedDeltaNetWeights`), so no pass reshards it."""
     def rows(x: Array) -> Any:
         return mesh.sharding(("batch",) + (None,) * (x.ndim - 1))
-
-    def cache_rows(x: Array) -> Any:
-        return mesh.sharding((None, "batch") + (None,) * (x.ndim - 2))
 
     def kv(x: Array | None) -> Any:
         return None if x is None else mesh.sharding((None, "batch", None, "kv_heads", None))
 
     cache = state.cache
     if cache is not None:
+        linear = cache.linear
+        if linear is not None:
+            linear = linear._replace(recurrent=mesh.sharding((None, "batch", "linear_heads", None, None)),
+                                     conv_tail=mesh.sharding((None, "batch", None, "linear_key_heads")))
         cache = cache.replace(dense_k=kv(cache.dense_k), dense_v=kv(cache.dense_v), moe_k=kv(cache.moe_k),
-                              moe_v=kv(cache.moe_v), linear=jax.tree.map(cache_rows, cache.linear))
+                              moe_v=kv(cache.moe_v), linear=linear)
     return SlotState(rows(state.canvas), rows(state.valid), rows(state.blocks), cache, rows(state.active),
                      rows(state.fresh), rows(state.block), RowKnobs(*(rows(x) for x in state.knobs)))
 
