@@ -28,11 +28,14 @@ class Chip:
     fp8: bool = False  # fp8 matrix units (fp8 weights run here)
 
 
-# Published per-chip figures (dense bf16; no sparsity). Vendor spec sheets, 2024-25.
+GIB = 2**30
+
+# Published per-chip figures (dense bf16; no sparsity). Vendor spec sheets, 2024-25. Cloud TPU states HBM per chip
+# in GiB, as what a program can allocate (v5p: 96 GiB physical, 95 GiB listed); the TPU compiler counts the same way.
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("TPU v5e", 16e9, 197e12, 819e9, "cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip("TPU v5p", 95e9, 459e12, 2765e9, "cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip("TPU v6e (Trillium)", 32e9, 918e12, 1640e9, "cloud.google.com/tpu/docs/v6e"),
+    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, "cloud.google.com/tpu/docs/v5e"),
+    "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, "cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip("TPU v6e (Trillium)", 32 * GIB, 918e12, 1640e9, "cloud.google.com/tpu/docs/v6e"),
     "h100": Chip("NVIDIA H100 SXM", 80e9, 989e12, 3.35e12, "nvidia.com H100 datasheet", fp8=True),
     "h200": Chip("NVIDIA H200 SXM", 141e9, 989e12, 4.8e12, "nvidia.com H200 datasheet", fp8=True),
 }

@@ -182,6 +182,11 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _gib(n: float) -> str:
+    """The suffix ' (16 GiB)' when `n` is a whole number of GiB (TPU HBM is listed so), else ''."""
+    return f" ({n / 2**30:.0f} GiB)" if n % 2**30 == 0 else ""
+
+
 def header_lines(title: str, c: ModelConfig, lay: Layout, chip: Chip, dispatch: str, weights_total: float,
                  weights_per_chip: float, note: str = "") -> list[str]:
     """The first lines of a plan report: `title` with the model, layout, mesh and dispatch; the chip's published
@@ -191,7 +196,7 @@ def header_lines(title: str, c: ModelConfig, lay: Layout, chip: Chip, dispatch: 
     return [
         f"{title}: {c.name} on {lay.name} ({lay.n_devices} x {chip.name}"
         + (f", topology {lay.topology}" if lay.topology else "") + f"; mesh {mesh}; MoE dispatch {dispatch})",
-        f"chip: {gb(chip.hbm_bytes)} HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"chip: {gb(chip.hbm_bytes)}{_gib(chip.hbm_bytes)} HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
         f"{chip.hbm_bw / 1e9:.0f} GB/s (published)",
         f"weights: {counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active), {gb(weights_total)} "
         f"in {_weights_kind(c)}; {gb(weights_per_chip)} per chip{note}",
