@@ -43,7 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _harness() -> Any:
+    """clover_jax.evaluation.harness; UsageError (one line) when lm-eval is not installed."""
     try:
+        import lm_eval  # noqa: F401
+
         from clover_jax.evaluation import harness
     except ImportError as e:
         if (e.name or "").split(".")[0] == "lm_eval":
