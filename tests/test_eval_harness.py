@@ -103,3 +103,9 @@ def test_stop_strings_and_settings():
     assert settings_from({"check_greedy": "true", "gen_length": "None"}).check_greedy is True
     with pytest.raises(EvaluationError, match="true or false"):
         settings_from({"check_greedy": "maybe"})
+
+
+def test_model_args_win_over_lm_eval_settings():
+    lm = CloverLM.create_from_arg_string("mc_num=8,batch_size=8", {"batch_size": 1, "device": None})
+    assert (lm.settings.mc_num, lm.settings.batch_size) == (8, 8)
+    assert CloverLM.create_from_arg_obj({"mc_num": 8}, {"batch_size": 4}).settings.batch_size == 4

@@ -134,6 +134,21 @@ class CloverLM(LM):
 
     # ---- lm-eval's hooks ----------------------------------------------------------------------------------
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+                            ) -> CloverLM:
+        """The model from model_args plus lm-eval's own settings (batch_size, device, ...); a model argument
+        wins over lm-eval's setting of the same name (its command line always passes a batch_size)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> CloverLM:
+        """`create_from_arg_obj` of the parsed `k=v,...` string."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     @property
     def tokenizer_name(self) -> str:
         """The checkpoint's path, which fingerprints lm-eval's request caches."""

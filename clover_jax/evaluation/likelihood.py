@@ -31,6 +31,7 @@ sequences left-padded to a power of two of at least `min_len` columns.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -60,6 +61,7 @@ class Estimate:
     stderr: float
     samples: int
     greedy: bool = False  # the one-pass argmax fill of the fully masked answer is the answer (if checked)
+    compute_s: float = 0.0  # seconds in the compiled passes (including any compile they triggered)
 
 
 def llada_draws(rng: np.random.Generator, answer_len: int, mc_num: int, batch_size: int) -> np.ndarray:
@@ -164,13 +166,18 @@ def estimate(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequ
     scale = jnp.float32(cfg_scale)
     guidance = cfg_scale > 0
 
+    spent = [0.0]
+
     def run(chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
         masked = np.zeros((batch_size, width), bool)
         masked[:, lay.answer_start:] = chunk
         ratio = (chunk.sum(1) / lay.answer_len).astype(np.float32)
         loss, greedy = sample_losses(weights, cfg, rows, valid, prm, masked, ratio, scale, guidance=guidance,
                                      dispatch=dispatch)
-        return np.asarray(loss, np.float64), np.asarray(greedy)
+        out = np.asarray(loss, np.float64), np.asarray(greedy)
+        spent[0] += time.perf_counter() - t0
+        return out
 
     losses = np.concatenate([run(draws[i:i + batch_size])[0] for i in range(0, len(draws), batch_size)])
     greedy = False
@@ -179,4 +186,4 @@ def estimate(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequ
         greedy = bool(g[0])
     n = len(losses)
     stderr = float(losses.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    return Estimate(float(-losses.mean()), stderr, n, greedy)
+    return Estimate(float(-losses.mean()), stderr, n, greedy, spent[0])
