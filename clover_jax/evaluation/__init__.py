@@ -6,6 +6,7 @@
     est.mean, est.stderr
 """
 
-from clover_jax.evaluation.likelihood import Estimate, EvaluationError, estimate, llada_draws, sample_losses
+from clover_jax.errors import EvaluationError
+from clover_jax.evaluation.likelihood import Estimate, estimate, llada_draws, sample_losses
 
 __all__ = ["Estimate", "EvaluationError", "estimate", "llada_draws", "sample_losses"]

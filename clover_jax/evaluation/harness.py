@@ -44,7 +44,8 @@ from tqdm import tqdm
 
 from clover_jax import shipped
 from clover_jax.checkpoint import load_model
-from clover_jax.evaluation.likelihood import Estimate, EvaluationError, estimate
+from clover_jax.errors import EvaluationError
+from clover_jax.evaluation.likelihood import Estimate, estimate
 from clover_jax.sampler import SamplerConfig, batch_bucket, check_model, check_settings, generate
 from clover_jax.tokenizer import load_tokenizer
 

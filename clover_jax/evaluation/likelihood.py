@@ -42,15 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.config import ModelConfig
-from clover_jax.errors import CloverError
+from clover_jax.errors import EvaluationError
 from clover_jax.sampler.scoring import guide
 from clover_jax.training.losses import denoising_forward
 
 Array = jax.Array
-
-
-class EvaluationError(CloverError):
-    """A likelihood or evaluation request that cannot run (empty answer, too long, bad settings)."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +145,10 @@ def estimate(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequ
 
     draws: masked answer positions [n, L] to use instead of `llada_draws(default_rng(seed), ...)` (n a multiple
     of batch_size). check_greedy: one more pass with the whole answer masked sets `Estimate.greedy`.
-    Sequences are padded to `seq_bucket(len, min_len)` columns; one program per (rows, columns, guidance)."""
-    width = seq_bucket(len(prompt) + len(answer), min_len)
+    Sequences are padded to `seq_bucket(len, min_len)` columns (at most the model's max_seq_len); one program per
+    (rows, columns, guidance)."""
+    n = len(prompt) + len(answer)
+    width = min(seq_bucket(n, min_len), max(cfg.max_seq_len, n))
     if width > cfg.max_seq_len:
         raise EvaluationError(f"prompt + answer ({len(prompt) + len(answer)} tokens) exceed the model's "
                               f"max_seq_len ({cfg.max_seq_len})")
