@@ -2,7 +2,8 @@
 tests/fixtures/eval_tasks through lm-eval's own `simple_evaluate` and through `clover eval`.
 
 The multiple-choice task (the real next line of unseen text among 4, the others shuffled) is one the tiny model
-can do: measured at 0.6-0.7 over its 48 items with mc_num=8; the test asks for well above chance (0.25).
+can do: measured at acc 0.52-0.56, acc_norm 0.54-0.60 over its 48 items with mc_num=4 (seeds 0, 1, 2; 0.54 / 0.63
+with mc_num=8); the test asks for 0.40, well above chance (0.25: 20 or more of 48 has probability 0.01).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from clover_jax.evaluation.harness import CloverLM, cut_at_stop, register, setti
 
 pytestmark = pytest.mark.xdist_group("eval_harness")
 TASKS = Path(__file__).parent / "fixtures" / "eval_tasks"
-ARGS = {"mc_num": 8, "batch_size": 8}
+ARGS = {"mc_num": 4, "batch_size": 4}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def results(lm):
 def test_multiple_choice_beats_chance(results, lm):
     r = results["results"]["shakespeare_next_line"]
     assert results["n-samples"]["shakespeare_next_line"]["effective"] == 48
-    assert r["acc,none"] >= 0.45 and r["acc_norm,none"] >= 0.45, r  # chance is 0.25; 3 standard errors above it
+    assert r["acc,none"] >= 0.40 and r["acc_norm,none"] >= 0.40, r  # chance is 0.25
     errors = [e.stderr for kind, e in lm.estimates if kind == "loglikelihood"]
     assert len(errors) >= 4 * 48 and all(0 < se < math.inf for se in errors)
 
@@ -61,7 +62,7 @@ def test_generation_task_runs(results):
 def test_clover_eval_command(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = main(["eval", "--tasks", "shakespeare_next_line", "--include-path", str(TASKS), "--no-builtin-tasks",
-                 "--limit", "3", "--model-args", "mc_num=8,batch_size=8", "--output", str(out)])
+                 "--limit", "3", "--model-args", "mc_num=4,batch_size=4", "--output", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "shakespeare_next_line" in printed and "acc" in printed
