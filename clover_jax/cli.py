@@ -17,10 +17,11 @@ import traceback
 
 from clover_jax import compile_cache
 from clover_jax.commands import convert, generate, info, plan, serve, tokenizer, train
+from clover_jax.commands import eval as eval_command
 from clover_jax.errors import CloverError
 from clover_jax.version import __version__
 
-COMMANDS = (convert, generate, info, plan, serve, tokenizer, train)
+COMMANDS = (convert, eval_command, generate, info, plan, serve, tokenizer, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

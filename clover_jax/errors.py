@@ -47,3 +47,7 @@ class TokenizerTrainError(CloverError):
 
 class UsageError(CloverError):
     """A command-line request that cannot run (flags that contradict each other, missing files)."""
+
+
+class EvaluationError(CloverError):
+    """A likelihood or evaluation request that cannot run (an empty answer, too long, bad model arguments)."""

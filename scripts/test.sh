@@ -12,7 +12,7 @@ python -m pip install -q --upgrade pip
 # The CPU build of torch first (on these machines it lies on disk); the `torch` extra's range admits it,
 # so the extra installs nothing bigger.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[torch,tpu,notebooks,serve,docs,dev]"
+python -m pip install -q -e ".[torch,tpu,notebooks,serve,docs,eval,dev]"
 
 export JAX_PLATFORMS=cpu  # libtpu is installed for `clover plan`; tests run on (fake) CPU devices
 ruff check .
