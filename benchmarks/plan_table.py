@@ -94,9 +94,11 @@ def cell_text(r: dict[str, Any] | None) -> str:
         return "does not fit (implied)"
     if r.get("hbm_bytes"):  # compiled, but more than the chip's published HBM
         return f"does not fit ({_gb(r['hbm_bytes'])} > {_gb(r['chip_hbm'])})"
-    # the TPU compiler's message counts in GiB: "... temporaries (17.05G) exceeds available HBM (15.75G)"
-    need = re.search(r"\(([0-9.]+)G\) exceeds available HBM", r.get("error") or "")
-    return f"does not fit (needs {float(need[1]) * 2**30 / 1e9:.1f} GB)" if need else "does not fit (compiler OOM)"
+    # the TPU compiler's messages count in GiB: "... temporaries (17.05G) exceeds available HBM (15.75G)", or
+    # "Ran out of memory in memory space hbm. Used 15.77G of 15.75G hbm."
+    need = re.search(r"\(([0-9.]+)G\) exceeds available HBM|Used ([0-9.]+)G of [0-9.]+G hbm", r.get("error") or "")
+    need = need and (need[1] or need[2])
+    return f"does not fit (needs {float(need) * 2**30 / 1e9:.1f} GB)" if need else "does not fit (compiler OOM)"
 
 
 def markdown(rows: list[dict[str, Any]], config: str, gen_len: int) -> str:
