@@ -312,3 +312,22 @@ def test_errors_are_openai_400s_with_param(body, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
     assert engine.prompts == []
+
+
+# --- the toy task ------------------------------------------------------------------------------------
+
+def test_toy_task_rows_hold_calls_the_server_parses():
+    from clover_jax.serving import toy_agent
+
+    train, held = toy_agent.split(60, 12, seed=1)
+    assert len(train) == 60 and len(held) == 12 and not {t.question for t in train} & {t.question for t in held}
+    assert [t.name for t in held[:3]] == ["add", "mul", "capital"]
+    rows = toy_agent.sft_rows(train[:3])
+    tools = {s.name: s for s in toy_agent.specs()}
+    for t, (ask, answer) in zip(train[:3], zip(rows[::2], rows[1::2], strict=True), strict=True):
+        assert ask["prompt"].startswith("tools:\nadd(a: integer, b: integer)\n") and ask["prompt"].endswith(
+            f"user: {t.question}\nassistant:")
+        assert parse_calls(ask["response"], tools).calls == (ParsedCall(t.name, t.arguments),)
+        assert answer["prompt"].endswith(f"tool: <tool_response>{t.answer}</tool_response>\nassistant:")
+        assert answer["response"] == " " + t.answer == " " + toy_agent.execute(t.name, t.arguments)
+    assert toy_agent.execute("add", {"a": 2}) == "error: bad call"
