@@ -331,3 +331,18 @@ def test_toy_task_rows_hold_calls_the_server_parses():
         assert answer["prompt"].endswith(f"tool: <tool_response>{t.answer}</tool_response>\nassistant:")
         assert answer["response"] == " " + t.answer == " " + toy_agent.execute(t.name, t.arguments)
     assert toy_agent.execute("add", {"a": 2}) == "error: bad call"
+
+
+def test_published_fixture_template_takes_tools_and_calls():
+    """The published-form fixture's ChatML template (JSON call form) through HFTokenizer, as `clover serve` renders."""
+    pytest.importorskip("tokenizers")
+    from clover_jax.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(str(Path(__file__).parent / "fixtures" / "published" / "qwen3_5_moe_vl_tiny"))
+    text = render_messages(tok, _conversation(), [TOOLS["add"]])
+    assert '{"type": "function", "function": {"name": "add", "description": "Add two integers."' in text
+    assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in text
+    assert "<tool_response>\n5\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+    shown = text[text.rindex("<tool_call>{"):]  # the first one is the instruction in the system turn
+    call = shown[:shown.index("</tool_call>") + len("</tool_call>")]
+    assert parse_calls(call, TOOLS).calls == (ParsedCall("add", {"a": 2, "b": 3}),)
