@@ -74,7 +74,10 @@ from clover_jax.serving.guard import Access, BodyTooLarge, Guard, KeyRing, acces
 from clover_jax.serving.metrics import CONTENT_TYPE, Metrics
 from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, Request, ServingError
 from clover_jax.serving.schema import SEED_MAX, SEED_MIN, openapi_document
+from clover_jax.serving.tool_parse import OPEN, ParsedCall, call_end, parse_calls, pending_open
+from clover_jax.serving.tools import ToolError, ToolPlan, parse_tools
 from clover_jax.tokenizer import Tokenizer
+from clover_jax.tokenizer.chat_template import ChatTemplateError
 from clover_jax.version import __version__
 
 DEFAULT_MAX_TOKENS = 128
@@ -436,9 +439,18 @@ def completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, 
                    code="invalid_type")
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = MAX_MESSAGES) -> tuple[int, ...]:
-    """Token ids of a /v1/chat/completions `messages` list (see `clover_jax.serving.chat`); ApiError 400
-    for more than `max_messages` messages."""
+def tool_plan(body: dict[str, Any]) -> ToolPlan | None:
+    """The request's `tools` / `tool_choice` / `parallel_tool_calls` (`clover_jax.serving.tools`); ApiError 400."""
+    try:
+        return parse_tools(body)
+    except ToolError as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = MAX_MESSAGES,
+                tools: ToolPlan | None = None) -> tuple[int, ...]:
+    """Token ids of a /v1/chat/completions `messages` list and its `tools` (see `clover_jax.serving.chat`);
+    ApiError 400 for more than `max_messages` messages or a conversation the chat template refuses."""
     given = body.get("messages")
     if isinstance(given, list) and len(given) > max_messages:
         raise ApiError(400, f"this server takes at most {max_messages} messages, got {len(given)}",
@@ -447,7 +459,11 @@ def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = 
         messages = parse_messages(given)
     except MessageError as e:
         raise ApiError(400, str(e), param=e.param) from None
-    return _encode(tokenizer, render_messages(tokenizer, messages), "messages")
+    try:
+        text = render_messages(tokenizer, messages, tools.tools if tools is not None else ())
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e)[:500], param="messages", code="invalid_value") from None
+    return _encode(tokenizer, text, "messages")
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -504,6 +520,7 @@ class Job:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None  # the chat request's tools, when they are parsed out of its text
 
 
 # Request settings a checkpoint's generation_config.json may give defaults for (`make_app(defaults=...)`).
@@ -511,7 +528,7 @@ DEFAULTABLE = ("max_tokens", "temperature", "top_p", "top_k", "threshold", "rema
 
 
 def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: bool,
-              defaults: dict[str, Any] | None = None, max_n: int = MAX_CHOICES) -> Job:
+              defaults: dict[str, Any] | None = None, max_n: int = MAX_CHOICES, tools: ToolPlan | None = None) -> Job:
     """The Job of a completions (or, with `chat`, chat completions) body. Fields the body leaves out take
     `defaults` (the model's, `DEFAULTABLE`), else greedy decoding and at most 128 tokens. Raises ApiError
     400 for a field of the wrong type, n outside [1, max_n] or a seed outside [SEED_MIN, SEED_MAX], and
@@ -537,7 +554,8 @@ def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: 
         raise ApiError(400, f"seed must be in [{SEED_MIN}, {SEED_MAX}]", param="seed", code="invalid_value")
     seeds, stops = _seeds(seed, n, temperature), _stops(body)
     base.check(engine.block_length, engine.cfg.vocab_size, engine.max_prompt, engine.max_tokens)
-    return Job(tuple(dataclasses.replace(base, seed=s) for s in seeds), stops, stream, include_usage)
+    return Job(tuple(dataclasses.replace(base, seed=s) for s in seeds), stops, stream, include_usage,
+               tools if tools is not None and tools.parses else None)
 
 
 # --- running a job -------------------------------------------------------------------------------
@@ -561,30 +579,57 @@ class Choice:
     used: int | None = None  # with a stop match: the tokens the returned text came from
     passes: int = 0  # forward passes the engine reported so far
     queued_s: float = 0.0  # how long it waited for a row (the engine's report)
+    seen: int = 0  # characters decoded before the latest event
+    calls: tuple[tuple[str, ParsedCall], ...] = ()  # (id, call) of the tool calls it ended with
 
     @property
     def done(self) -> bool:
         """Whether nothing more will be released."""
         return self.finish_reason is not None
 
-    def apply(self, event: Event, decode: Callable[[list[int]], str], stops: Sequence[str]) -> str:
+    def apply(self, event: Event, decode: Callable[[list[int]], str], stops: Sequence[str],
+              tools: ToolPlan | None = None) -> str:
         """Take one engine event; returns the text newly released (cut before a stop string; while the
-        choice runs, less the tail a stop string or a UTF-8 character could still span)."""
+        choice runs, less the tail a stop string or a UTF-8 character could still span).
+
+        With `tools` (a plan that parses calls): the choice also ends once its tool calls are complete
+        (`tool_parse.call_end`), no text from the first `<tool_call>` on is released while it runs, and at
+        the end valid calls become `calls` with finish_reason "tool_calls" (the text is then the content
+        before them); invalid ones leave the whole text as content."""
         self.tokens.extend(event.tokens)
         full = decode(self.tokens)
         cut = find_stop(full, stops)
+        if tools is not None:
+            end_call = call_end(full, self.seen, tools.parallel)
+            if end_call is not None and (cut is None or end_call <= cut):
+                cut = end_call
+        self.seen = len(full)
         if cut is not None:
             self.finish_reason, self.stopped = "stop", True
             # the fewest tokens whose text reaches the cut: what usage counts
             self.used = next(k for k in range(len(self.tokens) + 1) if len(decode(self.tokens[:k])) >= cut)
-            return self._release(full[:cut])
+            return self._end(full[:cut], tools)
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
-            return self._release(full)
+            return self._end(full, tools)
         end = len(full) - (max(map(len, stops)) - 1 if stops else 0)
         while end > 0 and full[end - 1] == "\ufffd":
             end -= 1
-        return self._release(full[:max(end, 0)])
+        upto = full[:max(end, 0)]
+        if tools is not None:  # hold back a call (or what may become one), and the whitespace before it
+            upto = upto.split(OPEN, 1)[0]
+            upto = upto[:len(upto) - pending_open(upto)].rstrip()
+        return self._release(upto)
+
+    def _end(self, text: str, tools: ToolPlan | None) -> str:
+        """Release the rest of a finished choice: its calls when `tools` finds valid ones, else its text."""
+        if tools is not None and self.finish_reason in ("stop", "length"):
+            parsed = parse_calls(text, tools.allowed())
+            if parsed.calls:
+                self.calls = tuple((f"call_{uuid.uuid4().hex[:24]}", c) for c in parsed.calls)
+                self.finish_reason = "tool_calls"
+                return self._release(parsed.content)
+        return self._release(text)
 
     def _release(self, upto: str) -> str:
         delta = upto[len(self.text):]
@@ -664,7 +709,7 @@ class Run:
         for c in self.choices:
             if not c.done:
                 out.append((c, c.apply(Event((), "length", c.passes, c.queued_s), self.tokenizer.decode,
-                                       self.job.stops)))
+                                       self.job.stops, self.job.tools)))
                 if c.rid is not None:
                     self.engine.cancel(c.rid)  # its row frees at the next block boundary
         if self.metrics is not None:
@@ -693,7 +738,7 @@ class Run:
             if event.finish_reason == "error":
                 choice.finish_reason = "error"
                 raise EngineFailure(f"the engine failed while generating choice {index} (request {choice.rid})")
-            delta = choice.apply(event, self.tokenizer.decode, self.job.stops)
+            delta = choice.apply(event, self.tokenizer.decode, self.job.stops, self.job.tools)
             if choice.stopped and event.finish_reason is None and choice.rid is not None:
                 self.engine.cancel(choice.rid)  # free the row at the next block boundary
             yield choice, delta
@@ -738,10 +783,19 @@ class Meta:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
+def _tool_calls_json(c: Choice, stream: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's `tool_calls` of a choice (streamed: each with its `index`); arguments as a JSON string."""
+    return [{**({"index": i} if stream else {}), "id": call_id, "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            for i, (call_id, call) in enumerate(c.calls)]
+
+
 def _choice_json(meta: Meta, c: Choice) -> dict[str, Any]:
     if meta.chat:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                "finish_reason": c.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if c.calls:
+            message = {"role": "assistant", "content": c.text or None, "tool_calls": _tool_calls_json(c)}
+        return {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
     return {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
 
 
@@ -800,6 +854,9 @@ async def _stream(run: Run, meta: Meta, st: ServerState, access: Access | None =
         async for c, delta in run.deltas():
             if delta:
                 yield _chunk(meta, c.index, {"content": delta} if meta.chat else delta, None)
+            if c.done and c.calls:
+                for call in _tool_calls_json(c, stream=True):
+                    yield _chunk(meta, c.index, {"tool_calls": [call]}, None)
             if c.done:
                 yield _chunk(meta, c.index, {} if meta.chat else "", c.finish_reason, run.timed_out)
         if run.job.include_usage:
@@ -843,8 +900,9 @@ async def _start(request: HTTPRequest, st: ServerState, chat: bool, started: flo
     body = await _json_body(request)
     _check_model(body, st.model_name)
     lim = st.limits
-    prompt = chat_prompt(body, st.tokenizer, lim.max_messages) if chat else completion_prompt(body, st.tokenizer)
-    job = parse_job(body, st.engine, prompt, chat, st.defaults, lim.max_n)
+    tools = tool_plan(body) if chat else None
+    prompt = chat_prompt(body, st.tokenizer, lim.max_messages, tools) if chat else completion_prompt(body, st.tokenizer)
+    job = parse_job(body, st.engine, prompt, chat, st.defaults, lim.max_n, tools)
     deadline = None if lim.request_timeout_s is None else started + lim.request_timeout_s
     run = Run(st.engine, st.tokenizer, job, asyncio.get_running_loop(), started, deadline, st.metrics)
     run.submit()

@@ -1,21 +1,43 @@
-"""Chat messages to prompt text for `/v1/chat/completions`.
+"""Chat messages (and tools) to prompt text for `/v1/chat/completions`.
 
-A single user message goes through the tokenizer's chat template when it has one
-(`Tokenizer.apply_chat_template` takes exactly one user turn). Anything else (several messages, a
-system prompt, a tokenizer without a template) uses the plain format, one line per message and an
-open assistant turn at the end:
+`parse_messages` reads OpenAI's `messages`: system / user / assistant / tool turns, an assistant turn's
+`tool_calls` ({"id", "type": "function", "function": {"name", "arguments"}}, arguments a JSON object or a
+string holding one) and a tool turn's `tool_call_id` (required).
 
-    system: You are terse.
-    user: Hi
-    assistant:
+`render_messages` gives the prompt text:
+
+- a tokenizer with a jinja chat template (`chat_template`, a checkpoint's `chat_template.jinja` or
+  `tokenizer_config.json`) renders the whole conversation and the tools through it, as transformers'
+  `apply_chat_template(messages, tools=..., add_generation_prompt=True)` does (assistant calls carry their
+  arguments as objects, which the Qwen templates expect);
+- otherwise a single user turn without tools goes through `Tokenizer.apply_chat_template` when it gives a
+  text, and anything else uses the plain format: the tools first (a `tools:` line, then one line per tool,
+  `name(arg: type, optional?: type) - description`: a compact signature, since a tool's JSON schema costs a
+  small vocabulary about a hundred tokens), then one line per message and an open assistant turn::
+
+      tools:
+      add(a: integer, b: integer) - Add two integers.
+      system: You are terse.
+      user: What is 2 plus 3?
+      assistant: <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>
+      tool: <tool_response>5</tool_response>
+      assistant:
+
+  An assistant turn's calls follow its content in the JSON form, a tool turn's content is wrapped in
+  `<tool_response>` tags.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from clover_jax.serving.tool_parse import CLOSE, OPEN
+from clover_jax.serving.tools import ToolSpec
 from clover_jax.tokenizer import Tokenizer
+from clover_jax.tokenizer.chat_template import render_chat_template
 
 
 class MessageError(ValueError):
@@ -26,21 +48,96 @@ class MessageError(ValueError):
         self.param = param
 
 
-def parse_messages(messages: Any) -> list[tuple[str, str]]:
-    """(role, content) pairs of an OpenAI `messages` list. Content may be a string, null (empty) or a
-    list of parts of which the {"type": "text", "text": ...} ones are joined. Raises MessageError."""
+@dataclass(frozen=True)
+class CallMessage:
+    """A tool call an assistant turn made: its id, the function's name and its arguments (a JSON object)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn. `tool_calls`: an assistant's calls; `tool_call_id`: which call a tool turn answers."""
+
+    role: str
+    content: str
+    tool_calls: tuple[CallMessage, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_template(self) -> dict[str, Any]:
+        """The message as a chat template takes it (arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def parse_messages(messages: Any) -> list[Message]:
+    """The turns of an OpenAI `messages` list. Content may be a string, null (empty) or a list of parts
+    of which the {"type": "text", "text": ...} ones are joined. Raises MessageError."""
     if not isinstance(messages, list) or not messages:
         raise MessageError("messages must be a non-empty list of {role, content} objects", "messages")
     return [_parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
-def _parse_message(message: Any, where: str) -> tuple[str, str]:
+def _parse_message(message: Any, where: str) -> Message:
     if not isinstance(message, dict):
         raise MessageError(f"{where} must be an object with role and content", where)
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise MessageError(f"{where}.role must be a non-empty string", f"{where}.role")
-    return role, _content_text(message.get("content"), f"{where}.content")
+    content = _content_text(message.get("content"), f"{where}.content")
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise MessageError(f"{where}.name must be a string", f"{where}.name")
+    calls: tuple[CallMessage, ...] = ()
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise MessageError(f"{where}.tool_calls is only allowed in assistant messages", f"{where}.tool_calls")
+        calls = _parse_calls(message["tool_calls"], f"{where}.tool_calls")
+    call_id = message.get("tool_call_id")
+    if role == "tool" and (not isinstance(call_id, str) or not call_id):
+        raise MessageError(f"{where}.tool_call_id is required in tool messages (the id of the call answered)",
+                           f"{where}.tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise MessageError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+    return Message(role, content, calls, call_id if role == "tool" else None, name)
+
+
+def _parse_calls(value: Any, where: str) -> tuple[CallMessage, ...]:
+    if not isinstance(value, list):
+        raise MessageError(f"{where} must be a list of tool calls", where)
+    out = []
+    for i, call in enumerate(value):
+        at = f"{where}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise MessageError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                               "\"arguments\"}}}}", at)
+        if call.get("type", "function") != "function":
+            raise MessageError(f"{at}.type must be \"function\"", f"{at}.type")
+        call_id = call.get("id", "")
+        if not isinstance(call_id, str):
+            raise MessageError(f"{at}.id must be a string", f"{at}.id")
+        args = function.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise MessageError(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
+        if not isinstance(args, dict):
+            raise MessageError(f"{at}.function.arguments must be a JSON object (or a string holding one)",
+                               f"{at}.function.arguments")
+        out.append(CallMessage(call_id, function["name"], args))
+    return tuple(out)
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -59,16 +156,49 @@ def _content_text(content: Any, where: str) -> str:
     raise MessageError(f"{where} must be a string or a list of text parts", where)
 
 
-def plain_prompt(messages: Sequence[tuple[str, str]]) -> str:
-    """The plain format: "role: content\\n" per message, then "assistant:"."""
-    return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+# --- the plain format ------------------------------------------------------------------------------
+
+def tool_line(spec: ToolSpec) -> str:
+    """One tool in the plain format: `name(arg: type, optional?: type) - description`."""
+    props = spec.parameters.get("properties") or {}
+    required = set(spec.parameters.get("required", []))
+    args = []
+    for key, schema in props.items():
+        types = schema.get("type") if isinstance(schema, dict) else None
+        kind = "|".join(types) if isinstance(types, list) else types if isinstance(types, str) else "any"
+        args.append(f"{key}{'' if key in required else '?'}: {kind}")
+    line = f"{spec.name}({', '.join(args)})"
+    return f"{line} - {spec.description}" if spec.description else line
 
 
-def render_messages(tokenizer: Tokenizer, messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt text of a conversation: the chat template for one user message when the tokenizer
-    has one, else `plain_prompt`."""
-    if len(messages) == 1 and messages[0][0] == "user":
-        templated = tokenizer.apply_chat_template(messages[0][1])
+def call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call in the JSON form, between its tags."""
+    return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{CLOSE}"
+
+
+def _plain_turn(m: Message | tuple[str, str]) -> str:
+    if isinstance(m, tuple):
+        m = Message(*m)
+    if m.role == "tool":
+        return f"tool: <tool_response>{m.content}</tool_response>\n"
+    return f"{m.role}: {m.content}{''.join(call_text(c.name, c.arguments) for c in m.tool_calls)}\n"
+
+
+def plain_prompt(messages: Sequence[Message | tuple[str, str]], tools: Sequence[ToolSpec] = ()) -> str:
+    """The plain format (see the module docstring): the tools, a line per message, then "assistant:"."""
+    head = "tools:\n" + "".join(tool_line(t) + "\n" for t in tools) if tools else ""
+    return head + "".join(_plain_turn(m) for m in messages) + "assistant:"
+
+
+def render_messages(tokenizer: Tokenizer, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> str:
+    """The prompt text of a conversation and its tools (see the module docstring). Raises ChatTemplateError
+    when the checkpoint's template refuses the conversation."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        return render_chat_template(template, [m.as_template() for m in messages],
+                                    tools=[t.as_openai() for t in tools] or None, add_generation_prompt=True)
+    if not tools and len(messages) == 1 and messages[0].role == "user" and not messages[0].tool_calls:
+        templated = tokenizer.apply_chat_template(messages[0].content)
         if templated is not None:
             return templated
-    return plain_prompt(messages)
+    return plain_prompt(messages, tools)

@@ -17,6 +17,7 @@ from typing import Any
 
 from clover_jax.sampler.scoring import REMASKING
 from clover_jax.serving.requests import MAX_INT32
+from clover_jax.serving.tools import TOOL_NAME_PATTERN
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the seeds a request may give (reduced mod 2**32 on the device)
 
@@ -68,13 +69,46 @@ def request_schemas(*, model: str, vocab_size: int, max_prompt: int, max_tokens:
             "type": "object", "required": ["messages"],
             "properties": {"messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1,
                                         "maxItems": max_messages},
-                           "max_completion_tokens": tokens, **common},
+                           "max_completion_tokens": tokens,
+                           "tools": _nullable({"type": "array", "items": _ref("Tool")}),
+                           "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]},
+                                                     _ref("NamedToolChoice"), {"type": "null"}]},
+                           "parallel_tool_calls": _nullable({"type": "boolean"}),
+                           **common},
         },
         "ChatMessage": {
             "type": "object", "required": ["role"],
             "properties": {"role": {"type": "string", "minLength": 1},
                            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part},
-                                                 {"type": "null"}]}},
+                                                 {"type": "null"}]},
+                           "name": _nullable({"type": "string"}),
+                           "tool_calls": _nullable({"type": "array", "items": _ref("MessageToolCall")}),
+                           "tool_call_id": _nullable({"type": "string"})},
+        },
+        "MessageToolCall": {
+            "type": "object", "required": ["function"],
+            "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                           "function": {"type": "object", "required": ["name"], "properties": {
+                               "name": {"type": "string", "minLength": 1},
+                               "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}}}},
+        },
+        "Tool": {
+            "type": "object", "required": ["function"],
+            "properties": {"type": {"type": "string", "enum": ["function"]}, "function": {
+                "type": "object", "required": ["name"],
+                "properties": {"name": {"type": "string", "pattern": TOOL_NAME_PATTERN},
+                               "description": _nullable({"type": "string"}),
+                               "parameters": _nullable({
+                                   "type": "object",
+                                   "properties": {"type": {"type": "string", "enum": ["object"]},
+                                                  "properties": {"type": "object"},
+                                                  "required": {"type": "array", "items": {"type": "string"}}}})}}},
+        },
+        "NamedToolChoice": {
+            "type": "object", "required": ["type", "function"],
+            "properties": {"type": {"type": "string", "enum": ["function"]},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"}}}},
         },
         "StreamOptions": {"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}},
         "Diffusion": {
@@ -114,9 +148,15 @@ def response_schemas() -> dict[str, Any]:
         "ChatCompletion": {"type": "object", "required": required, "properties": {**head, "choices": {
             "type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"],
                                        "properties": {"index": {"type": "integer"}, "finish_reason": finish,
-                                                      "message": {"type": "object", "required": ["role", "content"],
-                                                                  "properties": {"role": {"type": "string"},
-                                                                                 "content": {"type": "string"}}}}}}}},
+                                                      "message": _ref("AssistantMessage")}}}}},
+        "AssistantMessage": {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "tool_calls": {"type": "array", "items": {
+                "type": "object", "required": ["id", "type", "function"],
+                "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                               "function": {"type": "object", "required": ["name", "arguments"],
+                                            "properties": {"name": {"type": "string"},
+                                                           "arguments": {"type": "string"}}}}}}}},
         "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"],
                   "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                                  "created": {"type": "integer"}, "owned_by": {"type": "string"}}},

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import sentencepiece as spm
 
+from clover_jax.tokenizer.chat_template import render_chat_template
+
 # Files a checkpoint directory may carry; conversion copies whichever exist.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
@@ -82,7 +84,8 @@ class SentencePieceTokenizer:
 
 @dataclass
 class HFTokenizer:
-    """A `tokenizer.json` read with the `tokenizers` package, plus the chat template if present."""
+    """A `tokenizer.json` read with the `tokenizers` package, plus the chat template if present
+    (`chat_template`: its jinja source, which `clover_jax.serving.chat` renders whole conversations with)."""
 
     directory: str
     _tok: object = field(init=False, repr=False)
@@ -111,11 +114,7 @@ class HFTokenizer:
         prompt), or None when the checkpoint has no template."""
         if not self.chat_template:
             return None
-        import jinja2  # optional dependency (the `torch` extra): only checkpoints with a chat template need it
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return render_chat_template(self.chat_template, [{"role": "user", "content": prompt}])
 
 
 def _read_chat_template(directory: str) -> str | None:
