@@ -96,9 +96,9 @@ def cell_text(r: dict[str, Any] | None) -> str:
         return f"does not fit ({_gb(r['hbm_bytes'])} > {_gb(r['chip_hbm'])})"
     # the TPU compiler's messages count in GiB: "... temporaries (17.05G) exceeds available HBM (15.75G)", or
     # "Ran out of memory in memory space hbm. Used 15.77G of 15.75G hbm."
-    need = re.search(r"\(([0-9.]+)G\) exceeds available HBM|Used ([0-9.]+)G of [0-9.]+G hbm", r.get("error") or "")
-    need = need and (need[1] or need[2])
-    return f"does not fit (needs {float(need) * 2**30 / 1e9:.1f} GB)" if need else "does not fit (compiler OOM)"
+    m = re.search(r"\(([0-9.]+)([GT])\) exceeds available HBM|Used ([0-9.]+)(G) of [0-9.]+G hbm", r.get("error") or "")
+    need = m and float(m[1] or m[3]) * (1024 if (m[2] or m[4]) == "T" else 1)
+    return f"does not fit (needs {need * 2**30 / 1e9:.1f} GB)" if need else "does not fit (compiler OOM)"
 
 
 def markdown(rows: list[dict[str, Any]], config: str, gen_len: int) -> str:
