@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--train-steps", type=int, default=0, help="fine-tune on the task for this many steps first")
-    p.add_argument("--train-questions", type=int, default=600, help="training questions (two SFT rows each)")
+    p.add_argument("--train-questions", type=int, default=300, help="training questions (two SFT rows each)")
     p.add_argument("--questions", type=int, default=24, help="held-out questions")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="diffusion threshold (0: one token per pass)")

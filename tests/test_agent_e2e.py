@@ -1,14 +1,12 @@
-"""An agent loop end to end: the shipped clover-tiny (a Tiny Shakespeare model that has never seen a tool) is
-fine-tuned in the test with block-diffusion SFT on transcripts of the toy tool task
-(`clover_jax.serving.toy_agent`: add, mul, capital; the plain chat format with the tools), then served by
-the real `clover serve` app (an `Engine` behind `make_app`, uvicorn on loopback in a thread) and driven by
-the real `openai` client: it asks held-out questions with the tools, executes each call, sends the result
-back and reads the final answer, streamed and not. The untrained model, asked the same way, calls nothing.
+"""The agent loop end to end on a real model: the shipped clover-tiny served by the real `clover serve` app (an
+`Engine` behind `make_app`, uvicorn on loopback in a thread) and driven by the real `openai` client with the toy
+task's tools (`clover_jax.serving.toy_agent`), streamed and not; and the fine-tuning step of the recipe that
+teaches a model the task (`scripts/train_tool_model.py`), run here from the shipped model.
 
-The fine-tuning recipe here (400 steps of 8 rows x 160 tokens, about 24 minutes on 2 busy CPU cores) does not
-yet teach the 4M-parameter model the call format: it writes the tags but garbles the JSON inside (measured
-2026-12-03, 0 of 12 held-out questions; see docs/performance.md), so the agent test is an expected failure
-until a recipe that learns the task is found.
+The shipped model has never seen a tool: the loop must end each question after one step with plain text (no
+call), the same text streamed and whole. A model that answers held-out questions through calls is not part of
+these tests: the recipe has not yet taught clover-tiny to copy a question's arguments into its call (see the
+agent section of docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -28,31 +27,21 @@ from clover_jax.tokenizer import load_tokenizer
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.slow  # minutes of fine-tuning on 2 CPU cores
+pytestmark = pytest.mark.slow  # serving programs and a short fine-tuning compile
 
-STEPS, N_TRAIN, N_HELD = 400, 600, 12
-
-
-@pytest.fixture(scope="session")
-def tool_model():
-    """(cfg, tuned weights, base weights, tokenizer, held-out tasks): clover-tiny fine-tuned on the task."""
-    model_dir = str(shipped.MODEL_DIR)
-    cfg, weights = clover_jax.load_model(model_dir)
-    tok = load_tokenizer(model_dir)
-    train, held = toy_agent.split(N_TRAIN, N_HELD, seed=0)
-    assert not {t.question for t in train} & {t.question for t in held}
-    tuned = toy_agent.finetune(cfg, weights, tok, train, steps=STEPS)
-    return cfg, tuned, weights, tok, held
+N_TRAIN, N_HELD = 300, 24  # scripts/train_tool_model.py's split
 
 
 @pytest.fixture(scope="session")
-def agent_server(tool_model):
-    """The tuned model served on a free loopback port: (openai client, model name)."""
+def agent_server():
+    """The shipped model served on a free loopback port: (openai client, model name)."""
     from clover_jax.serving.api import make_app
     from clover_jax.serving.engine import Engine
 
-    cfg, tuned, _, tok, _ = tool_model
-    eng = Engine(tuned, cfg, max_prompt=192, max_tokens=96, batch_sizes=(1, 4), queue_size=64)
+    model_dir = str(shipped.MODEL_DIR)
+    cfg, weights = clover_jax.load_model(model_dir)
+    tok = load_tokenizer(model_dir)
+    eng = Engine(weights, cfg, max_prompt=192, max_tokens=96, batch_sizes=(1, 4), queue_size=64)
     eng.warm_up(lambda line: None)
     eng.start()
     srv = uvicorn.Server(uvicorn.Config(make_app(eng, tok, cfg.name), host="127.0.0.1", port=0,
@@ -69,17 +58,18 @@ def agent_server(tool_model):
     eng.drain(timeout=60)
 
 
-@pytest.mark.xfail(reason="400 steps of SFT do not teach clover-tiny the call format yet", strict=False)
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_held_out_questions_are_answered_through_tool_calls(agent_server, tool_model, stream):
+def test_the_loop_through_the_server_ends_in_plain_text_streamed_or_not(agent_server):
     client, name = agent_server
-    held = tool_model[4]
-    with ThreadPoolExecutor(4) as pool:  # four rows of one batch
-        episodes = list(pool.map(lambda t: toy_agent.run_agent(client, name, t, stream=stream), held))
-    solved = [e for e in episodes if e.correct and e.calls == 1]
-    report = [(e.task.question, e.answer, e.steps) for e in episodes]
-    assert len(solved) >= 0.7 * len(held), report
-    assert all(e.steps == 2 for e in solved)  # one call, then the answer
+    held = toy_agent.split(N_TRAIN, N_HELD, seed=0)[1][:4]
+    runs = {}
+    for stream in (False, True):
+        with ThreadPoolExecutor(4) as pool:  # four rows of one batch
+            runs[stream] = list(pool.map(lambda t, s=stream: toy_agent.run_agent(client, name, t, stream=s), held))
+    for whole, streamed in zip(runs[False], runs[True], strict=True):
+        for e in (whole, streamed):
+            assert e.steps == 1 and e.calls == 0 and e.answer, e
+            assert 0 < e.tokens[0] <= 96
+        assert whole.answer == streamed.answer and whole.tokens == streamed.tokens
 
 
 def test_the_untrained_model_calls_no_tools():
@@ -96,3 +86,23 @@ def test_the_untrained_model_calls_no_tools():
     res = clover_jax.generate(base, cfg, prompts, sampler)
     calls = [parse_calls(tok.decode(t), specs).calls for t in res.tokens]
     assert sum(bool(c) for c in calls) == 0, [tok.decode(t) for t in res.tokens]
+
+
+def test_fine_tuning_on_the_task_lowers_its_loss():
+    """`toy_agent.finetune` (the recipe's step) from the shipped model: 30 steps take the block-diffusion loss on
+    the task's own rows far below the shipped model's (which has never seen a tool call)."""
+    from clover_jax.training import PairDataset, evaluate
+
+    model_dir = str(shipped.MODEL_DIR)
+    cfg, base = clover_jax.load_model(model_dir)
+    tok = load_tokenizer(model_dir)
+    train = toy_agent.split(N_TRAIN, N_HELD, seed=0)[0]
+    tuned = toy_agent.finetune(cfg, base, tok, train[:60], steps=30)
+    import json
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in toy_agent.sft_rows(train[:16])))
+    batch = PairDataset(str(path), tok.encode, 176, cfg.eos_token_id, cfg.filler_id, seed=0).eval_batches(16)
+    before, after = evaluate(base, cfg, batch)["eval_loss"], evaluate(tuned, cfg, batch)["eval_loss"]
+    assert after < 0.5 * before, (before, after)

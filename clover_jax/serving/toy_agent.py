@@ -1,6 +1,6 @@
 """A small tool-use task and the agent loop that solves it through an OpenAI-compatible server.
 
-Three tools: `add(a, b)` and `mul(a, b)` on integers 0..99, and `capital(country)` over a fixed table.
+Three tools: `add(a, b)` and `mul(a, b)` on integers 0..OPERANDS-1, and `capital(country)` over a fixed table.
 Every question needs exactly one call; the answer after the tool's result is the result itself. The
 task serves three uses: `sft_rows` writes block-diffusion SFT transcripts of it in `clover serve`'s
 plain chat format (so a model with no chat template, such as the shipped clover-tiny, can learn to call
@@ -30,6 +30,7 @@ TOOLS: tuple[dict[str, Any], ...] = (
     {"type": "function", "function": {"name": "capital", "parameters": {
         "type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}}},
 )
+OPERANDS = 10  # the arithmetic questions' operands are 0..OPERANDS-1 (200 distinct questions per operation)
 CAPITALS = {"France": "Paris", "Spain": "Madrid", "Italy": "Rome", "Japan": "Tokyo", "Egypt": "Cairo",
             "Peru": "Lima", "Chile": "Santiago", "Kenya": "Nairobi", "Cuba": "Havana", "Greece": "Athens",
             "Norway": "Oslo", "Poland": "Warsaw"}
@@ -69,7 +70,11 @@ def _task(name: str, args: dict[str, Any], phrase: str) -> Task:
 def split(n_train: int, n_held: int, seed: int = 0) -> tuple[list[Task], list[Task]]:
     """Training and held-out tasks (a third each of add, mul and capital, drawn with `seed`) with no question
     in common: arithmetic questions are all distinct; the capital questions (country x phrasing) are split
-    in two, the training ones repeating."""
+    in two, the training ones repeating. ValueError when the arithmetic questions cannot all be distinct."""
+    per_op = OPERANDS**2 * 2  # operand pairs x phrasings
+    if -(-(n_train + n_held) // 3) > per_op:
+        raise ValueError(f"{n_train} + {n_held} questions need more than the {per_op} distinct questions per operation "
+                         f"of operands 0..{OPERANDS - 1}")
     rng, seen = random.Random(seed), set()
     capitals = [(c, p) for c in sorted(CAPITALS) for p in PHRASES["capital"]]
     rng.shuffle(capitals)
@@ -84,7 +89,7 @@ def split(n_train: int, n_held: int, seed: int = 0) -> tuple[list[Task], list[Ta
                 country, phrase = caps[len(out) // 3 % len(caps)]
                 out.append(_task(name, {"country": country}, phrase))
                 continue
-            t = _task(name, {"a": rng.randrange(100), "b": rng.randrange(100)}, rng.choice(PHRASES[name]))
+            t = _task(name, {"a": rng.randrange(OPERANDS), "b": rng.randrange(OPERANDS)}, rng.choice(PHRASES[name]))
             if t.question not in seen:
                 seen.add(t.question)
                 out.append(t)
@@ -185,8 +190,8 @@ def _complete(client: Any, model: str, messages: list[dict[str, Any]], stream: b
     return content, [slots[i] for i in sorted(slots)], tokens
 
 
-def finetune(cfg: Any, weights: Any, tokenizer: Any, train: Sequence[Task], *, steps: int, seq_len: int = 160,
-             batch_size: int = 8, lr: float = 5e-3, seed: int = 0, workdir: str | None = None) -> Any:
+def finetune(cfg: Any, weights: Any, tokenizer: Any, train: Sequence[Task], *, steps: int, seq_len: int = 176,
+             batch_size: int = 8, lr: float = 3e-3, seed: int = 0, workdir: str | None = None) -> Any:
     """Block-diffusion SFT of `weights` on `sft_rows(train)` (rows of `seq_len` tokens filled with end tokens,
     the noise level drawn from [0.3, 1]); the tuned weights."""
     import os
@@ -207,3 +212,32 @@ def finetune(cfg: Any, weights: Any, tokenizer: Any, train: Sequence[Task], *, s
 
     fresh = jax.tree.map(jnp.copy, weights)  # the training step may donate its inputs
     return run_training(cfg, tc, data, init_weights=fresh, progress=False, eval_at_end=False).state.weights
+
+
+def turn_prompts(held: Sequence[Task]) -> tuple[list[str], list[str]]:
+    """The two turns of each task as `clover serve` renders them in the plain format with the tools: the question,
+    and the question with the expected call and its result."""
+    tools = specs()
+    first = [plain_prompt([Message("user", t.question)], tools) for t in held]
+    second = [plain_prompt([Message("user", t.question),
+                            Message("assistant", "", tool_calls=(CallMessage("call_0", t.name, t.arguments),)),
+                            Message("tool", t.answer, tool_call_id="call_0")], tools) for t in held]
+    return first, second
+
+
+def score_turns(weights: Any, cfg: Any, tokenizer: Any, held: Sequence[Task]) -> tuple[int, int]:
+    """(first turns that are exactly the expected call, second turns that are exactly the result), generated
+    greedily one token a pass with `clover_jax.generate` (no server: a quick check while training)."""
+    import clover_jax
+
+    first, second = turn_prompts(held)
+    one = clover_jax.SamplerConfig(gen_length=64, block_length=32, steps=64, temperature=0.0,
+                                   remasking="low_confidence", seed=0)
+    two = clover_jax.SamplerConfig(gen_length=32, block_length=32, steps=32, temperature=0.0,
+                                   remasking="low_confidence", seed=0)
+    r1 = clover_jax.generate(weights, cfg, [tokenizer.encode(p) for p in first], one)
+    r2 = clover_jax.generate(weights, cfg, [tokenizer.encode(p) for p in second], two)
+    calls = sum(tokenizer.decode(ids).strip() == call_text(t.name, t.arguments) for t, ids in zip(held, r1.tokens,
+                                                                                                 strict=True))
+    answers = sum(tokenizer.decode(ids).strip() == t.answer for t, ids in zip(held, r2.tokens, strict=True))
+    return calls, answers
