@@ -89,15 +89,15 @@ def test_the_untrained_model_calls_no_tools():
 
 
 def test_fine_tuning_on_the_task_lowers_its_loss():
-    """`toy_agent.finetune` (the recipe's step) from the shipped model: 30 steps take the block-diffusion loss on
-    the task's own rows far below the shipped model's (which has never seen a tool call)."""
+    """`toy_agent.finetune` (the recipe's step) from the shipped model: 12 steps of 4 rows take the block-diffusion
+    loss on the task's own rows far below the shipped model's (which has never seen a tool call)."""
     from clover_jax.training import PairDataset, evaluate
 
     model_dir = str(shipped.MODEL_DIR)
     cfg, base = clover_jax.load_model(model_dir)
     tok = load_tokenizer(model_dir)
     train = toy_agent.split(N_TRAIN, N_HELD, seed=0)[0]
-    tuned = toy_agent.finetune(cfg, base, tok, train[:60], steps=30)
+    tuned = toy_agent.finetune(cfg, base, tok, train[:60], steps=12, batch_size=4)
     import json
     import tempfile
 
@@ -105,4 +105,5 @@ def test_fine_tuning_on_the_task_lowers_its_loss():
     path.write_text("".join(json.dumps(r) + "\n" for r in toy_agent.sft_rows(train[:16])))
     batch = PairDataset(str(path), tok.encode, 176, cfg.eos_token_id, cfg.filler_id, seed=0).eval_batches(16)
     before, after = evaluate(base, cfg, batch)["eval_loss"], evaluate(tuned, cfg, batch)["eval_loss"]
+    print(f"task loss: shipped {before:.3f}, after 12 steps {after:.3f}")
     assert after < 0.5 * before, (before, after)
