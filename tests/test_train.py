@@ -103,6 +103,37 @@ def test_block_diffusion_logits_equal_inference_context() -> None:
         np.testing.assert_allclose(np.asarray(got[:, i * bs: (i + 1) * bs]), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["test-clover", "test-clover-hybrid"])
+def test_sft_on_the_prompt_grid_equals_the_samplers_canvas(name) -> None:
+    """A prompt / response row on the prompt grid (the response's blocks start where the prompt ends, as the
+    sampler lays its canvas): noisy response block i gets exactly the logits of the sampler's pass over
+    [prompt | committed blocks < i | block i] with `canvas_block_ids`, Gated DeltaNet blocks included. The
+    absolute grid (the response's first block shares the prompt's last partial one) does not."""
+    cfg = get_config(name)
+    bs, p, nb, b = cfg.block_size, 5, 2, 2  # a prompt of 5 tokens, blocks of 8: not on the absolute grid
+    clean = jax.random.randint(jax.random.PRNGKey(1), (b, p + nb * bs), 5, 250)
+    scored = jnp.broadcast_to(jnp.arange(p + nb * bs) >= p, clean.shape)
+    noisy = jnp.where(scored, cfg.mask_token_id, clean)
+    valid = jnp.ones(clean.shape, bool)
+    w = params.init(cfg, jax.random.PRNGKey(0))
+    blk = masks.training_block_ids(cfg, valid, scored, "prompt")
+    np.testing.assert_array_equal(np.asarray(blk[0]), [0] * 5 + [1] * 8 + [2] * 8)
+    assert losses.n_blocks(cfg, p + nb * bs, "prompt") > int(blk.max())
+    got = losses.denoising_forward(w, cfg, noisy, clean, valid, dispatch="dense", blocks=blk).logits
+    absolute = losses.denoising_forward(w, cfg, noisy, clean, valid, dispatch="dense").logits
+    for i in range(nb):
+        lo, hi = p + i * bs, p + (i + 1) * bs
+        ctx = jnp.concatenate([clean[:, :lo], noisy[:, lo:hi]], axis=1)
+        v = jnp.ones(ctx.shape, bool)
+        ids = masks.canvas_block_ids(masks.positions(v), p, bs, cfg.block_size)
+        ref = forward(w, cfg, ctx, masks.positions(v), masks.full_mask(cfg, v, ids), dispatch="dense", valid=v,
+                      blocks=ids).logits[:, lo:]
+        np.testing.assert_allclose(np.asarray(got[:, lo:hi]), np.asarray(ref), atol=2e-5, rtol=1e-5)
+        assert np.abs(np.asarray(absolute[:, lo:hi]) - np.asarray(ref)).max() > 1e-3
+    text = masks.training_block_ids(cfg, valid, valid, "prompt")  # plain text: every column scored
+    np.testing.assert_array_equal(np.asarray(text), np.asarray(masks.block_ids(cfg, valid)))
+
+
 def test_sft_masks_only_the_response(tmp_path) -> None:
     path = tmp_path / "sft.jsonl"
     path.write_text('{"prompt": "ab", "response": "cde"}\n\n{"prompt": "x", "response": "y"}\n')

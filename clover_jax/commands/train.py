@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--sft", help='jsonl of {"prompt": ..., "response": ...}: loss on the response only')
     p.add_argument("--no-eos-padding", action="store_true",
                    help="--sft: end rows in invisible padding instead of scored end tokens (LLaDA's recipe, default)")
+    p.add_argument("--block-grid", default="auto", choices=("auto", "prompt", "absolute"),
+                   help="where a response's diffusion blocks start in --sft rows: right after the prompt (prompt) or "
+                        "at multiples of the block size (absolute); auto: the grid the model family generates on")
     p.add_argument("--tokenizer", default=None,
                    help="directory with tokenizer.model / tokenizer.json (default: byte-level, vocab >= 260)")
     p.add_argument("--holdout", type=float, default=0.05, help="last fraction of the data kept for eval")
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
             lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip_norm=args.clip,
             lb_coef=args.lb_coef, z_coef=args.z_coef, seed=args.seed, noise_eps=args.noise_range[0],
-            noise_max=args.noise_range[1],
+            noise_max=args.noise_range[1], block_grid=args.block_grid,
             dispatch=args.dispatch or ("dense" if args.mesh else "tiled"), remat=args.remat,
             eval_every=args.eval_every, eval_seqs=args.eval_seqs, ckpt_every=args.ckpt_every,
             log_every=args.log_every)
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, stop_at=args.stop_at,
                 progress=not args.no_progress, init_weights=init_weights, eval_at_end=False)
-    proto = EvalProtocol()
+    proto = EvalProtocol(block_grid=tc.block_grid)
     print("final evaluation ...", file=sys.stderr, flush=True)
     final = evaluate(res.state.weights, cfg, eval_data.eval_batches(proto.n_seqs), proto, tc.dispatch)
     print(json.dumps({"step": int(res.state.step), **final, "tokens_seen": res.total_tokens,

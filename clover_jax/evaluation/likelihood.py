@@ -16,9 +16,11 @@ conservative figure.
 
 Block-causal models (LLaDA2, Clover) are scored in their training arrangement (`training.losses.
 denoising_forward`): the masked sequence next to the clean one, each block seeing itself and the clean blocks
-before it, blocks by absolute position. The prompt is clean and visible to every answer block; answer blocks
-see the earlier answer blocks clean. With one shared draw this is an unbiased estimate of the sum of the
-blocks' own bounds (shared t, each block's term is its own bound), i.e. the block-diffusion likelihood bound.
+before it, blocks on the grid the family generates on (`masks.family_block_grid`: Clover's answer blocks start
+where the prompt ends, LLaDA2's at multiples of the block size). The prompt is clean and visible to every
+answer block; answer blocks see the earlier answer blocks clean. With one shared draw this is an unbiased
+estimate of the sum of the blocks' own bounds (shared t, each block's term is its own bound), i.e. the
+block-diffusion likelihood bound.
 Bidirectional models see the whole masked sequence, exactly as in LLaDA.
 
 Guidance (`cfg_scale` > 0): an unconditional pass with the prompt masked as well, logits combined as
@@ -43,6 +45,7 @@ import numpy as np
 
 from clover_jax.config import ModelConfig
 from clover_jax.errors import EvaluationError
+from clover_jax.model import masks
 from clover_jax.sampler.scoring import guide
 from clover_jax.training.losses import denoising_forward
 
@@ -94,15 +97,16 @@ def sample_losses(weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, p
     column's argmax is its token. cfg_scale: the guidance scale, used only when `guidance` (static) is on."""
     mask_id = cfg.mask_token_id
     noisy = jnp.where(masked, mask_id, tokens)
+    blocks = masks.training_block_ids(cfg, valid, valid & ~prompt, masks.family_block_grid(cfg))
     if guidance:  # unconditional rows: the prompt masked too, in the clean copy and the noisy one
         un_clean = jnp.where(prompt, mask_id, tokens)
         un_noisy = jnp.where(masked | prompt, mask_id, tokens)
         out = denoising_forward(weights, cfg, jnp.concatenate([noisy, un_noisy]), jnp.concatenate([tokens, un_clean]),
-                                jnp.concatenate([valid, valid]), dispatch)
+                                jnp.concatenate([valid, valid]), dispatch, blocks=jnp.concatenate([blocks, blocks]))
         cond, un = jnp.split(out.logits, 2)
         logits = guide(cond, un, cfg_scale)
     else:
-        logits = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch).logits
+        logits = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, blocks=blocks).logits
     logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]

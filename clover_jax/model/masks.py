@@ -8,7 +8,12 @@ shifts a row; block ids follow each row's own positions (LLaDA2's absolute block
 
 Three callers build masks from these rules: a plain forward pass (`full_mask`), the sampler's
 canvas (`canvas_block_ids` + `attention_mask`) and block-diffusion training
-(`block_diffusion_mask`).
+(`training_block_ids` + `block_diffusion_mask`).
+
+Where a generation's blocks start is the block grid (`BLOCK_GRIDS`): `prompt` opens the first generated
+block right after the prompt (Clover, LLaDA-style samplers), `absolute` keeps position // block size, so
+the prompt's last partial block is the first generated block's head (LLaDA2's generator). Training on
+prompt / response pairs lays its blocks on the grid its sampler will use.
 """
 
 from __future__ import annotations
@@ -29,6 +34,29 @@ def positions(valid: Array) -> Array:
 def block_ids(cfg: ModelConfig, valid: Array) -> Array:
     """Block ids [B, T] aligned to each row's own positions: position // cfg.block_size."""
     return positions(valid) // cfg.block_size
+
+
+BLOCK_GRIDS = ("prompt", "absolute")
+
+
+def family_block_grid(cfg: ModelConfig) -> str:
+    """The block grid of the family's own generator: `absolute` for LLaDA2, `prompt` for every other."""
+    return "absolute" if cfg.family == "llada2_moe" else "prompt"
+
+
+def training_block_ids(cfg: ModelConfig, valid: Array, scored: Array, grid: str) -> Array:
+    """Block ids [B, T] of a training row: `absolute` is `block_ids`; `prompt` keeps the prompt's (the valid
+    columns before a row's first scored one) and opens a fresh block at the first scored column, as the
+    sampler's canvas does (`canvas_block_ids`: same order, so the same attention). A row scored from its
+    first valid column (plain text) gets the same ids on both grids. Ids are < n_blocks + 1 for T columns."""
+    if grid not in BLOCK_GRIDS:
+        raise ValueError(f"unknown block grid {grid!r}; choose one of {BLOCK_GRIDS}")
+    pos = positions(valid)
+    if grid == "absolute":
+        return pos // cfg.block_size
+    bs = cfg.block_size
+    prompt = jnp.sum(valid & (jnp.cumsum(scored & valid, axis=-1) == 0), axis=-1, keepdims=True)  # [B, 1]
+    return jnp.where(pos < prompt, pos // bs, -(-prompt // bs) + (pos - prompt) // bs)
 
 
 def canvas_block_ids(pos: Array, prompt_len: int, block_length: int, block_size: int) -> Array:

@@ -45,6 +45,7 @@ from clover_jax import compile_cache, kernels
 from clover_jax.config import ModelConfig
 from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import masks
 from clover_jax.model.moe import choose_dispatch
 from clover_jax.sampler.program import (
     BLOCK_GRIDS,
@@ -61,8 +62,9 @@ from clover_jax.sampler.program import (
 from clover_jax.sampler.scoring import REMASKING, remasking_index
 
 CONFIDENCES = ("logits", "sampling")
-# What `auto` means per model family: the rules of the family's own reference generator.
-FAMILY_DEFAULTS: dict[str, dict[str, str]] = {"llada2_moe": {"block_grid": "absolute", "confidence": "sampling"}}
+# What `auto` means per model family: the rules of the family's own reference generator (the block grid's
+# is `masks.family_block_grid`, which training shares).
+FAMILY_DEFAULTS: dict[str, dict[str, str]] = {"llada2_moe": {"confidence": "sampling"}}
 
 
 @dataclass(frozen=True)
@@ -350,6 +352,8 @@ def resolve_rule(cfg: ModelConfig, name: str, value: str) -> str:
     choice (prompt, logits); anything else is returned as given."""
     if value != "auto":
         return value
+    if name == "block_grid":
+        return masks.family_block_grid(cfg)
     first = {"block_grid": BLOCK_GRIDS, "confidence": CONFIDENCES}[name][0]
     return FAMILY_DEFAULTS.get(cfg.family, {}).get(name, first)
 

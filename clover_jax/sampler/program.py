@@ -51,7 +51,7 @@ from clover_jax.sampler.scoring import fill_after_end, guide, sample_and_score, 
 
 Array = jax.Array
 CACHE_MODES = ("none", "prefix", "dual")
-BLOCK_GRIDS = ("prompt", "absolute")
+BLOCK_GRIDS = masks.BLOCK_GRIDS
 
 # forward_fn(weights, tokens [R, W], positions [R, W], mask [R, W, S], cache | None, cache_offset,
 #            logits_start, logits_len) -> (logits [R, logits_len, V] float32, cache | None)

@@ -39,9 +39,12 @@ class LossTerms(NamedTuple):
     moe: MoEStats | None  # stacked over MoE layers
 
 
-def n_blocks(cfg: ModelConfig, seq_len: int) -> int:
-    """Noise levels drawn per sequence: one per block for block-causal configs, else one."""
-    return -(-seq_len // cfg.block_size) if cfg.is_block_causal else 1
+def n_blocks(cfg: ModelConfig, seq_len: int, grid: str = "absolute") -> int:
+    """Noise levels drawn per sequence: one per block for block-causal configs (one more on the prompt grid,
+    whose response blocks start mid-grid), else one."""
+    if not cfg.is_block_causal:
+        return 1
+    return -(-seq_len // cfg.block_size) + (grid == "prompt")
 
 
 def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float, t_max: float = 1.0) -> Array:
@@ -56,6 +59,17 @@ def sample_noise_levels(key: Array, shape: tuple[int, ...], eps: float, t_max: f
     return (eps + (t_max - eps) * u).reshape(shape)
 
 
+def block_noise_levels(key: Array, cfg: ModelConfig, rows: int, seq_len: int, grid: str, eps: float,
+                       t_max: float = 1.0) -> Array:
+    """Noise levels [rows, n_blocks(cfg, seq_len, grid)] for a batch: the absolute grid's from `key` (so plain
+    text draws the same levels on both grids), the prompt grid's extra block from a key of its own."""
+    n_abs = n_blocks(cfg, seq_len)
+    t = sample_noise_levels(key, (rows, n_abs), eps, t_max)
+    if n_blocks(cfg, seq_len, grid) > n_abs:
+        t = jnp.concatenate([t, sample_noise_levels(jax.random.fold_in(key, 1), (rows, 1), eps, t_max)], axis=1)
+    return t
+
+
 def corrupt(key: Array, tokens: Array, loss_mask: Array, t_pos: Array, mask_id: int) -> tuple[Array, Array]:
     """Mask each scorable token with probability t_pos: (noisy tokens, masked positions)."""
     masked = (jax.random.uniform(key, tokens.shape) < t_pos) & loss_mask
@@ -63,11 +77,14 @@ def corrupt(key: Array, tokens: Array, loss_mask: Array, t_pos: Array, mask_id: 
 
 
 def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array, valid: Array,
-                      dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None) -> ForwardOut:
+                      dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None,
+                      blocks: Array | None = None) -> ForwardOut:
     """Logits [B, L, V] for the noisy sequence: next to the clean one for block-causal configs
-    (each noisy block sees the clean blocks before it), alone for bidirectional ones."""
+    (each noisy block sees the clean blocks before it), alone for bidirectional ones. blocks [B, L]: the
+    block ids (default `masks.block_ids`, the absolute grid)."""
     seq = noisy.shape[1]
-    pos, blk = masks.positions(valid), masks.block_ids(cfg, valid)
+    pos = masks.positions(valid)
+    blk = masks.block_ids(cfg, valid) if blocks is None else blocks
     if cfg.is_block_causal:
         return forward(weights, cfg, jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1),
                        masks.block_diffusion_mask(valid, blk), logits_len=seq, dispatch=dispatch, remat=remat,
@@ -79,13 +96,14 @@ def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array
 
 def diffusion_terms(
     weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, loss_mask: Array, t_blocks: Array, key: Array,
-    dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None,
+    dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None, grid: str = "absolute",
 ) -> LossTerms:
-    """Loss sums for one batch [B, L] at noise levels t_blocks [B, n_blocks] (n_blocks = 1 unless block-causal)."""
-    blk = masks.block_ids(cfg, valid)
+    """Loss sums for one batch [B, L] at noise levels t_blocks [B, n_blocks(cfg, L, grid)] (n_blocks = 1 unless
+    block-causal), blocks laid on `grid` (`masks.training_block_ids`)."""
+    blk = masks.training_block_ids(cfg, valid, loss_mask, grid)
     t_pos = jnp.take_along_axis(t_blocks, blk if cfg.is_block_causal else jnp.zeros_like(blk), axis=1)
     noisy, masked = corrupt(key, tokens, loss_mask & valid, t_pos, cfg.mask_token_id)
-    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat, mesh)
+    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat, mesh, blocks=blk)
     logits = out.logits
     logp = jax.nn.log_softmax(logits, axis=-1)
     ce = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]

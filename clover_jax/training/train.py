@@ -31,7 +31,7 @@ from tqdm import tqdm
 from clover_jax.config import ModelConfig
 from clover_jax.errors import ConfigError
 from clover_jax.mesh.rules import MeshRules
-from clover_jax.model import params
+from clover_jax.model import masks, params
 from clover_jax.training import losses
 from clover_jax.training.data import Batch
 
@@ -55,6 +55,9 @@ class TrainConfig:
     clip_norm: float = 1.0
     noise_eps: float = 1e-3  # t ~ U(noise_eps, noise_max)
     noise_max: float = 1.0  # < 1 with a larger noise_eps: BD3-LM's clipped schedule (lower-variance gradients)
+    # where a response's blocks start (`masks.BLOCK_GRIDS`); auto: the grid the family's sampler uses, so SFT trains
+    # the arrangement generation runs. Plain text (every column scored) is the same on both.
+    block_grid: str = "auto"
     lb_coef: float = 0.01  # Switch load-balancing loss
     z_coef: float = 1e-3  # router z-loss
     bias_update_rate: float = 1e-3  # aux-loss-free balancing for routers with a selection bias
@@ -83,6 +86,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 < self.noise_eps < self.noise_max <= 1:
             raise ValueError(f"need 0 < noise_eps < noise_max <= 1, got {self.noise_eps}, {self.noise_max}")
+        if self.block_grid not in ("auto", *masks.BLOCK_GRIDS):
+            raise ValueError(f"unknown block grid {self.block_grid!r}; choose one of {('auto', *masks.BLOCK_GRIDS)}")
 
     @property
     def micro_batch(self) -> int:
@@ -102,6 +107,7 @@ class EvalProtocol:
     seed: int = 1234
     micro_batch: int = 8
     n_seqs: int = 16  # consecutive windows of seq_len tokens from the start of the held-out text
+    block_grid: str = "auto"  # as TrainConfig.block_grid
 
     def to_dict(self) -> dict[str, Any]:
         """The protocol as JSON-ready values (for model cards)."""
@@ -142,16 +148,22 @@ def _expert_bias_update(weights: Any, load: Array, rate: float) -> Any:
     return weights.replace(moe_layers=moe.replace(mlp=moe.mlp.replace(expert_bias=bias)))
 
 
+def resolve_grid(cfg: ModelConfig, grid: str) -> str:
+    """`auto` -> the block grid of the family's sampler (`masks.family_block_grid`); else `grid`."""
+    return masks.family_block_grid(cfg) if grid == "auto" else grid
+
+
 def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransformation,
                     mesh: MeshRules | None = None) -> Callable:
     """step_fn(state, tokens, valid, loss_mask [accum, micro_batch, L]) -> (state, metrics): one optimizer
     step, gradients accumulated over the micro-batches by a scan inside the program."""
 
+    grid = resolve_grid(cfg, tc.block_grid)
+
     def micro_loss(weights: Any, tok: Array, val: Array, lm: Array, key: Array, n_scored: Array):
-        nb = losses.n_blocks(cfg, tok.shape[1])
         k_t, k_m = jax.random.split(key)
-        t = losses.sample_noise_levels(k_t, (tok.shape[0], nb), tc.noise_eps, tc.noise_max)
-        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh)
+        t = losses.block_noise_levels(k_t, cfg, tok.shape[0], tok.shape[1], grid, tc.noise_eps, tc.noise_max)
+        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh, grid)
         diff = terms.weighted_ce / n_scored
         lb = z = jnp.zeros((), jnp.float32)
         if terms.moe is not None:
@@ -199,6 +211,7 @@ def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
                  mesh: MeshRules | None = None) -> Callable:
     """(weights, tokens, valid, loss_mask [chunks, mb, L]) -> dict of eval figures; one jitted program."""
     grid = jnp.asarray(proto.t_grid, jnp.float32)
+    blocks = resolve_grid(cfg, proto.block_grid)
 
     def eval_fn(weights: Any, tokens: Array, valid: Array, loss_mask: Array) -> dict:
         base = jax.random.PRNGKey(proto.seed)
@@ -207,9 +220,9 @@ def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
             i, tok, val, lm = xs
 
             def at_t(acc, j):
-                t = jnp.full((tok.shape[0], losses.n_blocks(cfg, tok.shape[1])), grid[j])
+                t = jnp.full((tok.shape[0], losses.n_blocks(cfg, tok.shape[1], blocks)), grid[j])
                 key = jax.random.fold_in(jax.random.fold_in(base, i), j)
-                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh)
+                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh, grid=blocks)
                 return (acc[0] + terms.weighted_ce, acc[1] + terms.ce, acc[2] + terms.correct,
                         acc[3] + terms.n_masked), None
 
@@ -378,7 +391,7 @@ def train(
                           in_shardings=(state_sh, batch_sh, batch_sh, batch_sh), out_shardings=(state_sh, None))
     eval_arrays = None
     eval_fn = None
-    proto = EvalProtocol()
+    proto = EvalProtocol(block_grid=tc.block_grid)
     if eval_data is not None:
         eb = eval_data.eval_batches(tc.eval_seqs)
         mb = min(proto.micro_batch, eb.tokens.shape[0])
