@@ -20,8 +20,9 @@ import os
 import re
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--train-steps", type=int, default=0, help="fine-tune on the task for this many steps first")
-    p.add_argument("--train-questions", type=int, default=300, help="training questions (two SFT rows each)")
+    p.add_argument("--train-questions", type=int, default=360, help="training questions (two SFT rows each)")
     p.add_argument("--questions", type=int, default=24, help="held-out questions")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="diffusion threshold (0: one token per pass)")
@@ -52,12 +53,12 @@ def _passes(port: int) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def serve(weights: Any, cfg: Any, tok: Any) -> tuple[Any, int, Any, Any]:
-    """An engine behind `make_app` on a free loopback port: (openai client, port, server, engine)."""
+@contextmanager
+def serve(weights: Any, cfg: Any, tok: Any) -> Iterator[tuple[Any, int]]:
+    """An engine behind `make_app` on a free loopback port: (openai client, port); drained on exit."""
     import openai
-    import uvicorn
 
-    from clover_jax.serving.api import make_app
+    from clover_jax.serving.background import serve_in_background
     from clover_jax.serving.engine import Engine
 
     eng = Engine(weights, cfg, max_prompt=192, max_tokens=96, batch_sizes=(1, 2, 4), queue_size=64)
@@ -65,14 +66,8 @@ def serve(weights: Any, cfg: Any, tok: Any) -> tuple[Any, int, Any, Any]:
     eng.warm_up(lambda line: None)
     print(f"compiled the serving programs in {time.perf_counter() - t0:.0f} s", flush=True)
     eng.start()
-    srv = uvicorn.Server(uvicorn.Config(make_app(eng, tok, cfg.name), host="127.0.0.1", port=0,
-                                        log_level="warning", lifespan="off"))
-    threading.Thread(target=srv.run, daemon=True).start()
-    while not (srv.started and srv.servers):
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                         timeout=600), port, srv, eng
+    with serve_in_background(eng, tok, cfg.name) as srv:
+        yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600), srv.port
 
 
 def run_loop(label: str, client: Any, port: int, model: str, held: list, stream: bool, args: argparse.Namespace
@@ -108,19 +103,17 @@ def main(argv: list[str] | None = None) -> None:
     base = weights
     if args.train_steps:
         t0 = time.perf_counter()
-        weights = toy_agent.finetune(cfg, weights, tok, train, steps=args.train_steps)
+        weights = toy_agent.finetune(cfg, weights, tok, train, toy_agent.Recipe(steps=args.train_steps))
         print(f"fine-tuned {args.train_steps} steps on {len(train)} questions in {time.perf_counter() - t0:.0f} s "
               "(compile included)", flush=True)
         if args.save:
             clover_jax.save_model(args.save, cfg, weights, tokenizer_dir=model_dir)
     for label, w in ((("untrained", base),) if args.untrained else ()) + (("tuned" if args.train_steps else
                                                                              "model", weights),):
-        client, port, srv, eng = serve(w, cfg, tok)
-        for stream in (False, True):
-            run_loop(f"{label}, {'streamed' if stream else 'not streamed'}", client, port, cfg.name, held, stream,
-                     args)
-        srv.should_exit = True
-        eng.drain(timeout=60)
+        with serve(w, cfg, tok) as (client, port):
+            for stream in (False, True):
+                run_loop(f"{label}, {'streamed' if stream else 'not streamed'}", client, port, cfg.name, held,
+                         stream, args)
 
 
 if __name__ == "__main__":

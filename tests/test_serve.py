@@ -265,23 +265,13 @@ uvicorn = pytest.importorskip("uvicorn")
 
 @pytest.fixture(scope="module")
 def server(shipped_engine):
-    """The shipped engine behind `make_app`, served by uvicorn on a free loopback port in a thread."""
-    from clover_jax.serving.api import make_app
+    """The shipped engine behind `make_app`, served on a free loopback port in a thread."""
+    from clover_jax.serving.background import serve_in_background
 
     eng, tok, _ = shipped_engine
-    app = make_app(eng, tok, eng.cfg.name)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not (srv.started and srv.servers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
-    yield client, eng, tok, port
-    srv.should_exit = True
-    thread.join(30)
+    with serve_in_background(eng, tok, eng.cfg.name) as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=300)
+        yield client, eng, tok, srv.port
 
 
 def _alone_text(eng, tok, prompt: str, max_tokens: int, **kw) -> str:
