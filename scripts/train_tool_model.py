@@ -1,17 +1,22 @@
-"""Fine-tune the shipped clover-tiny to call the toy task's tools, scoring the held-out turns after each round.
+"""Fine-tune the shipped clover-tiny to call the toy task's tools: one resumable run, held-out turns scored as it goes.
 
-    python scripts/train_tool_model.py --out runs/clover-tiny-tools
+    python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools
+    python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools   # later: resumes
 
-Block-diffusion SFT (`toy_agent.finetune`) on `toy_agent.sft_rows` of the task's training questions, in rounds
-of `--round-steps` steps (each round a fresh cosine schedule and data order). After each round the held-out
-questions' two turns are generated as `clover serve` renders them (greedy, one token a pass): the first turn
-must be exactly the expected call, the second exactly the tool's result. The checkpoint of the best round so
-far is written to `--out`; training stops early when every held-out turn is right. Prints one line per round.
+Block-diffusion SFT (`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's
+training questions, with Orbax checkpoints in `--run` every `--score-every` steps: stop it at any time (Ctrl-C,
+a closed session) and the same command resumes from the latest one. At every checkpoint the held-out questions'
+two turns are generated as `clover serve` renders them (greedy, one token a pass, in low-confidence order and in
+random order, the shipped model's own): the first turn must be exactly the expected call, the second exactly the
+tool's result. The best weights so far (by the sum over both orders) are exported to `--export`, a native
+checkpoint `clover serve --model` takes. Prints one line per checkpoint; stops early when every held-out turn
+is right in both orders.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -23,16 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="checkpoint directory to write")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--round-steps", type=int, default=100)
-    p.add_argument("--train-questions", type=int, default=300)
+    p.add_argument("--run", required=True, help="run directory: training checkpoints (resumed if present)")
+    p.add_argument("--export", required=True, help="checkpoint directory for the best weights so far")
+    p.add_argument("--steps", type=int, default=None, help="stop after this global step (default: the recipe's)")
+    p.add_argument("--score-every", type=int, default=200, help="steps between checkpoints and scores")
+    p.add_argument("--train-questions", type=int, default=360)
     p.add_argument("--held-out", type=int, default=24)
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
+    p.add_argument("--force", action="store_true", help="let a new run replace an existing --export")
     args = p.parse_args(argv)
-    if os.path.exists(args.out) and not args.force:
-        print(f"train_tool_model: error: {args.out} exists (pass --force to overwrite it)", file=sys.stderr)
+    scores_path = os.path.join(args.run, "scores.jsonl")
+    if os.path.exists(args.export) and not os.path.exists(scores_path) and not args.force:
+        print(f"train_tool_model: error: {args.export} exists and this run did not write it (pass --force to "
+              "replace it)", file=sys.stderr)
         return 2
 
     import clover_jax
@@ -40,20 +48,36 @@ def main(argv: list[str] | None = None) -> int:
     from clover_jax.serving import toy_agent
     from clover_jax.tokenizer import load_tokenizer
 
+    recipe = toy_agent.Recipe()
+    last = args.steps or recipe.steps
     model_dir = str(shipped.MODEL_DIR)
-    cfg, weights = clover_jax.load_model(model_dir)
+    cfg, base = clover_jax.load_model(model_dir)
     tok = load_tokenizer(model_dir)
     train, held = toy_agent.split(args.train_questions, args.held_out, args.seed)
-    best, t0 = -1, time.perf_counter()
-    for r in range(args.rounds):
-        weights = toy_agent.finetune(cfg, weights, tok, train, steps=args.round_steps, seed=r)
-        calls, answers = toy_agent.score_turns(weights, cfg, tok, held)
-        print(f"round {r + 1}: {(r + 1) * args.round_steps} steps, {time.perf_counter() - t0:.0f} s; held out: "
-              f"calls {calls}/{len(held)}, answers {answers}/{len(held)}", flush=True)
-        if calls + answers > best:
-            best = calls + answers
-            clover_jax.save_model(args.out, cfg, weights, tokenizer_dir=model_dir, force=True)
-        if best == 2 * len(held):
+    history = ([json.loads(x) for x in Path(scores_path).read_text().splitlines()]
+               if os.path.exists(scores_path) else [])
+    best = max((h["total"] for h in history), default=-1)
+    t0 = time.perf_counter()
+    ckpts = Path(args.run, "checkpoints")
+    done = [int(d.name) for d in ckpts.iterdir() if d.name.isdigit()] if ckpts.is_dir() else []
+    step = max(done, default=0)  # where the run resumes
+    while step < last:
+        step = min(last, (step // args.score_every + 1) * args.score_every)
+        weights = toy_agent.finetune(cfg, base, tok, train, recipe, stop_at=step, run_dir=args.run)
+        row = {"step": step}
+        for order in ("low_confidence", "random"):
+            row[order] = toy_agent.score_turns(weights, cfg, tok, held, remasking=order)
+        row["total"] = sum(sum(row[o]) for o in ("low_confidence", "random"))
+        with open(scores_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        n = len(held)
+        print(f"step {step} ({time.perf_counter() - t0:.0f} s this session): held out, calls / answers: "
+              f"low-confidence order {row['low_confidence'][0]}/{n}, {row['low_confidence'][1]}/{n}; "
+              f"random order {row['random'][0]}/{n}, {row['random'][1]}/{n}", flush=True)
+        if row["total"] > best:
+            best = row["total"]
+            clover_jax.save_model(args.export, cfg, weights, tokenizer_dir=model_dir, force=True)
+        if best == 4 * n:
             break
     return 0
 

@@ -11,8 +11,6 @@ agent section of docs/performance.md).
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,13 +27,13 @@ uvicorn = pytest.importorskip("uvicorn")
 
 pytestmark = pytest.mark.slow  # serving programs and a short fine-tuning compile
 
-N_TRAIN, N_HELD = 300, 24  # scripts/train_tool_model.py's split
+N_TRAIN, N_HELD = 360, 24  # scripts/train_tool_model.py's split
 
 
 @pytest.fixture(scope="session")
 def agent_server():
     """The shipped model served on a free loopback port: (openai client, model name)."""
-    from clover_jax.serving.api import make_app
+    from clover_jax.serving.background import serve_in_background
     from clover_jax.serving.engine import Engine
 
     model_dir = str(shipped.MODEL_DIR)
@@ -44,18 +42,8 @@ def agent_server():
     eng = Engine(weights, cfg, max_prompt=192, max_tokens=96, batch_sizes=(1, 4), queue_size=64)
     eng.warm_up(lambda line: None)
     eng.start()
-    srv = uvicorn.Server(uvicorn.Config(make_app(eng, tok, cfg.name), host="127.0.0.1", port=0,
-                                        log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not (srv.started and srv.servers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600), cfg.name
-    srv.should_exit = True
-    thread.join(30)
-    eng.drain(timeout=60)
+    with serve_in_background(eng, tok, cfg.name) as srv:
+        yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600), cfg.name
 
 
 def test_the_loop_through_the_server_ends_in_plain_text_streamed_or_not(agent_server):
@@ -97,13 +85,14 @@ def test_fine_tuning_on_the_task_lowers_its_loss():
     cfg, base = clover_jax.load_model(model_dir)
     tok = load_tokenizer(model_dir)
     train = toy_agent.split(N_TRAIN, N_HELD, seed=0)[0]
-    tuned = toy_agent.finetune(cfg, base, tok, train[:60], steps=12, batch_size=4)
+    recipe = toy_agent.Recipe(steps=12, batch_size=4, warmup_steps=5, lr=3e-3)
+    tuned = toy_agent.finetune(cfg, base, tok, train[:60], recipe)
     import json
     import tempfile
 
     path = Path(tempfile.mkdtemp()) / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in toy_agent.sft_rows(train[:16])))
-    batch = PairDataset(str(path), tok.encode, 176, cfg.eos_token_id, cfg.filler_id, seed=0).eval_batches(16)
+    batch = PairDataset(str(path), tok.encode, recipe.seq_len, cfg.eos_token_id, cfg.filler_id, seed=0).eval_batches(16)
     before, after = evaluate(base, cfg, batch)["eval_loss"], evaluate(tuned, cfg, batch)["eval_loss"]
     print(f"task loss: shipped {before:.3f}, after 12 steps {after:.3f}")
     assert after < 0.5 * before, (before, after)

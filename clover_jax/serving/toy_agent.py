@@ -3,8 +3,8 @@
 Three tools: `add(a, b)` and `mul(a, b)` on integers 0..OPERANDS-1, and `capital(country)` over a fixed table.
 Every question needs exactly one call; the answer after the tool's result is the result itself. The
 task serves three uses: `sft_rows` writes block-diffusion SFT transcripts of it in `clover serve`'s
-plain chat format (so a model with no chat template, such as the shipped clover-tiny, can learn to call
-tools in a few hundred steps), `run_agent` drives a model through `/v1/chat/completions` with the
+plain chat format (for a model with no chat template, such as the shipped clover-tiny) and `finetune` runs
+the recipe on them (`Recipe`, resumable), `run_agent` drives a model through `/v1/chat/completions` with the
 `openai` client (execute each call, feed the result back, stop at a plain answer), and the tests and
 `benchmarks/agent.py` score it.
 """
@@ -190,28 +190,61 @@ def _complete(client: Any, model: str, messages: list[dict[str, Any]], stream: b
     return content, [slots[i] for i in sorted(slots)], tokens
 
 
-def finetune(cfg: Any, weights: Any, tokenizer: Any, train: Sequence[Task], *, steps: int, seq_len: int = 176,
-             batch_size: int = 8, lr: float = 3e-3, seed: int = 0, workdir: str | None = None) -> Any:
-    """Block-diffusion SFT of `weights` on `sft_rows(train)` (rows of `seq_len` tokens filled with end tokens,
-    the noise level drawn from [0.3, 1]); the tuned weights."""
+@dataclass(frozen=True)
+class Recipe:
+    """The fine-tuning recipe's settings (block-diffusion SFT on `sft_rows`): rows of `seq_len` tokens filled
+    with end tokens, noise levels drawn from [noise_eps, 1], the response's blocks on the grid generation uses."""
+
+    steps: int = 6000  # the cosine schedule's length (a run may stop earlier and resume)
+    seq_len: int = 168  # the longest row (a second turn with a capital) is 164 tokens
+    batch_size: int = 8
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    noise_eps: float = 0.3
+
+    def train_config(self, seed: int = 0, ckpt_every: int = 200) -> Any:
+        """The `TrainConfig` of this recipe."""
+        from clover_jax.training import TrainConfig
+
+        return TrainConfig(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
+                           warmup_steps=self.warmup_steps, noise_eps=self.noise_eps, seed=seed, dispatch="tiled",
+                           log_every=10**9, eval_every=10**9, ckpt_every=ckpt_every)
+
+
+def sft_dataset(cfg: Any, tokenizer: Any, train: Sequence[Task], seq_len: int, workdir: str, seed: int = 0) -> Any:
+    """`sft_rows(train)` written to `workdir/tool_task.jsonl` and read back as a `PairDataset`."""
     import os
-    import tempfile
 
-    from clover_jax.training import PairDataset, TrainConfig
-    from clover_jax.training import train as run_training
+    from clover_jax.training import PairDataset
 
-    workdir = workdir or tempfile.mkdtemp(prefix="clover-tools-")
     path = os.path.join(workdir, "tool_task.jsonl")
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in sft_rows(train))
-    data = PairDataset(path, tokenizer.encode, seq_len, cfg.eos_token_id, cfg.filler_id, seed=seed)
-    tc = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, warmup_steps=5, noise_eps=0.3,
-                     seed=seed, dispatch="tiled", log_every=10**9, eval_every=10**9, ckpt_every=10**9)
+    return PairDataset(path, tokenizer.encode, seq_len, cfg.eos_token_id, cfg.filler_id, seed=seed)
+
+
+def finetune(cfg: Any, weights: Any, tokenizer: Any, train: Sequence[Task], recipe: Recipe = Recipe(), *,
+             stop_at: int | None = None, run_dir: str | None = None, seed: int = 0,
+             on_step: Any = None) -> Any:
+    """Block-diffusion SFT of `weights` on `sft_rows(train)` with `recipe`, up to step `stop_at` (default: the
+    recipe's `steps`); the tuned weights. `run_dir`: keep training checkpoints there and resume from the latest
+    (the run's data and schedule continue where it stopped); None trains in a scratch directory."""
+    import os
+    import tempfile
+
     import jax
     import jax.numpy as jnp
 
+    from clover_jax.training import train as run_training
+
+    workdir = run_dir or tempfile.mkdtemp(prefix="clover-tools-")
+    os.makedirs(workdir, exist_ok=True)
+    data = sft_dataset(cfg, tokenizer, train, recipe.seq_len, workdir, seed)
     fresh = jax.tree.map(jnp.copy, weights)  # the training step may donate its inputs
-    return run_training(cfg, tc, data, init_weights=fresh, progress=False, eval_at_end=False).state.weights
+    res = run_training(cfg, recipe.train_config(seed), data, ckpt_dir=os.path.join(workdir, "checkpoints")
+                       if run_dir else None, stop_at=stop_at, init_weights=fresh, progress=False,
+                       eval_at_end=False, log=lambda line: None, on_step=on_step)
+    return res.state.weights
 
 
 def turn_prompts(held: Sequence[Task]) -> tuple[list[str], list[str]]:
@@ -225,16 +258,18 @@ def turn_prompts(held: Sequence[Task]) -> tuple[list[str], list[str]]:
     return first, second
 
 
-def score_turns(weights: Any, cfg: Any, tokenizer: Any, held: Sequence[Task]) -> tuple[int, int]:
+def score_turns(weights: Any, cfg: Any, tokenizer: Any, held: Sequence[Task],
+                remasking: str = "low_confidence") -> tuple[int, int]:
     """(first turns that are exactly the expected call, second turns that are exactly the result), generated
-    greedily one token a pass with `clover_jax.generate` (no server: a quick check while training)."""
+    greedily one token a pass in `remasking` order with `clover_jax.generate` (no server: a quick check while
+    training)."""
     import clover_jax
 
     first, second = turn_prompts(held)
     one = clover_jax.SamplerConfig(gen_length=64, block_length=32, steps=64, temperature=0.0,
-                                   remasking="low_confidence", seed=0)
+                                   remasking=remasking, seed=0)
     two = clover_jax.SamplerConfig(gen_length=32, block_length=32, steps=32, temperature=0.0,
-                                   remasking="low_confidence", seed=0)
+                                   remasking=remasking, seed=0)
     r1 = clover_jax.generate(weights, cfg, [tokenizer.encode(p) for p in first], one)
     r2 = clover_jax.generate(weights, cfg, [tokenizer.encode(p) for p in second], two)
     calls = sum(tokenizer.decode(ids).strip() == call_text(t.name, t.arguments) for t, ids in zip(held, r1.tokens,
