@@ -1,7 +1,8 @@
 """The agent loop end to end on a real model: the shipped clover-tiny served by the real `clover serve` app (an
-`Engine` behind `make_app`, uvicorn on loopback in a thread) and driven by the real `openai` client with the toy
-task's tools (`clover_jax.serving.toy_agent`), streamed and not; and the fine-tuning step of the recipe that
-teaches a model the task (`scripts/train_tool_model.py`), run here from the shipped model.
+`Engine` behind `make_app`, served on loopback in a thread by `serving.background`) and driven by the real `openai`
+client with the toy task's tools (`clover_jax.serving.toy_agent`), streamed and not; and the fine-tuning step of
+the recipe that teaches a model the task (`toy_agent.finetune`, run at length by `scripts/train_tool_model.py`),
+run here from the shipped model.
 
 The shipped model has never seen a tool: the loop must end each question after one step with plain text (no
 call), the same text streamed and whole. A model that answers held-out questions through calls is not part of
