@@ -134,6 +134,17 @@ def test_sft_on_the_prompt_grid_equals_the_samplers_canvas(name) -> None:
     np.testing.assert_array_equal(np.asarray(text), np.asarray(masks.block_ids(cfg, valid)))
 
 
+def test_block_grid_settings() -> None:
+    """`auto` is the family's generation grid (Clover: prompt, LLaDA2: absolute); anything else is refused."""
+    from clover_jax.training.train import resolve_grid
+
+    assert resolve_grid(CFG, TrainConfig().block_grid) == "prompt"
+    assert resolve_grid(get_config("test-llada2"), "auto") == "absolute"
+    assert resolve_grid(CFG, "absolute") == "absolute"
+    with pytest.raises(ValueError, match="unknown block grid 'diagonal'"):
+        TrainConfig(block_grid="diagonal")
+
+
 def test_sft_masks_only_the_response(tmp_path) -> None:
     path = tmp_path / "sft.jsonl"
     path.write_text('{"prompt": "ab", "response": "cde"}\n\n{"prompt": "x", "response": "y"}\n')
