@@ -136,11 +136,13 @@ def test_sft_on_the_prompt_grid_equals_the_samplers_canvas(name) -> None:
 
 def test_block_grid_settings() -> None:
     """`auto` is the family's generation grid (Clover: prompt, LLaDA2: absolute); anything else is refused."""
-    from clover_jax.training.train import resolve_grid
+    from clover_jax.sampler.generate import resolve_rule
 
-    assert resolve_grid(CFG, TrainConfig().block_grid) == "prompt"
-    assert resolve_grid(get_config("test-llada2"), "auto") == "absolute"
-    assert resolve_grid(CFG, "absolute") == "absolute"
+    assert masks.resolve_block_grid(CFG, TrainConfig().block_grid) == "prompt"
+    assert masks.resolve_block_grid(get_config("test-llada2"), "auto") == "absolute"
+    assert masks.resolve_block_grid(CFG, "absolute") == "absolute"
+    for cfg in (CFG, get_config("test-llada2")):  # the sampler resolves `auto` by the same rule
+        assert resolve_rule(cfg, "block_grid", "auto") == masks.resolve_block_grid(cfg, "auto")
     with pytest.raises(ValueError, match="unknown block grid 'diagonal'"):
         TrainConfig(block_grid="diagonal")
 

@@ -44,6 +44,11 @@ def family_block_grid(cfg: ModelConfig) -> str:
     return "absolute" if cfg.family == "llada2_moe" else "prompt"
 
 
+def resolve_block_grid(cfg: ModelConfig, grid: str) -> str:
+    """`auto` -> `family_block_grid(cfg)`; any other grid as given (training and the sampler share this rule)."""
+    return family_block_grid(cfg) if grid == "auto" else grid
+
+
 def training_block_ids(cfg: ModelConfig, valid: Array, scored: Array, grid: str) -> Array:
     """Block ids [B, T] of a training row: `absolute` is `block_ids`; `prompt` keeps the prompt's (the valid
     columns before a row's first scored one) and opens a fresh block at the first scored column, as the

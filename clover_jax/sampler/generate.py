@@ -348,14 +348,13 @@ def resolve_cache(cfg: ModelConfig, cache: str) -> str:
 
 
 def resolve_rule(cfg: ModelConfig, name: str, value: str) -> str:
-    """`auto` -> the family's rule for `name` (block_grid, confidence; `FAMILY_DEFAULTS`), else the first
-    choice (prompt, logits); anything else is returned as given."""
+    """`auto` -> the family's rule for `name`: block_grid by `masks.resolve_block_grid` (the rule training
+    shares), confidence by `FAMILY_DEFAULTS` (else logits); anything else is returned as given."""
+    if name == "block_grid":
+        return masks.resolve_block_grid(cfg, value)
     if value != "auto":
         return value
-    if name == "block_grid":
-        return masks.family_block_grid(cfg)
-    first = {"block_grid": BLOCK_GRIDS, "confidence": CONFIDENCES}[name][0]
-    return FAMILY_DEFAULTS.get(cfg.family, {}).get(name, first)
+    return FAMILY_DEFAULTS.get(cfg.family, {}).get(name, CONFIDENCES[0])
 
 
 def knobs_for(sc: SamplerConfig, cfg: ModelConfig, n_blocks: int | None = None) -> Knobs:

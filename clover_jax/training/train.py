@@ -148,22 +148,17 @@ def _expert_bias_update(weights: Any, load: Array, rate: float) -> Any:
     return weights.replace(moe_layers=moe.replace(mlp=moe.mlp.replace(expert_bias=bias)))
 
 
-def resolve_grid(cfg: ModelConfig, grid: str) -> str:
-    """`auto` -> the block grid of the family's sampler (`masks.family_block_grid`); else `grid`."""
-    return masks.family_block_grid(cfg) if grid == "auto" else grid
-
-
 def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransformation,
                     mesh: MeshRules | None = None) -> Callable:
     """step_fn(state, tokens, valid, loss_mask [accum, micro_batch, L]) -> (state, metrics): one optimizer
     step, gradients accumulated over the micro-batches by a scan inside the program."""
 
-    grid = resolve_grid(cfg, tc.block_grid)
+    block_grid = masks.resolve_block_grid(cfg, tc.block_grid)
 
     def micro_loss(weights: Any, tok: Array, val: Array, lm: Array, key: Array, n_scored: Array):
         k_t, k_m = jax.random.split(key)
-        t = losses.block_noise_levels(k_t, cfg, tok.shape[0], tok.shape[1], grid, tc.noise_eps, tc.noise_max)
-        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh, grid)
+        t = losses.block_noise_levels(k_t, cfg, tok.shape[0], tok.shape[1], block_grid, tc.noise_eps, tc.noise_max)
+        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh, block_grid)
         diff = terms.weighted_ce / n_scored
         lb = z = jnp.zeros((), jnp.float32)
         if terms.moe is not None:
@@ -210,8 +205,8 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
 def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
                  mesh: MeshRules | None = None) -> Callable:
     """(weights, tokens, valid, loss_mask [chunks, mb, L]) -> dict of eval figures; one jitted program."""
-    grid = jnp.asarray(proto.t_grid, jnp.float32)
-    blocks = resolve_grid(cfg, proto.block_grid)
+    levels = jnp.asarray(proto.t_grid, jnp.float32)
+    block_grid = masks.resolve_block_grid(cfg, proto.block_grid)
 
     def eval_fn(weights: Any, tokens: Array, valid: Array, loss_mask: Array) -> dict:
         base = jax.random.PRNGKey(proto.seed)
@@ -220,20 +215,20 @@ def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
             i, tok, val, lm = xs
 
             def at_t(acc, j):
-                t = jnp.full((tok.shape[0], losses.n_blocks(cfg, tok.shape[1], blocks)), grid[j])
+                t = jnp.full((tok.shape[0], losses.n_blocks(cfg, tok.shape[1], block_grid)), levels[j])
                 key = jax.random.fold_in(jax.random.fold_in(base, i), j)
-                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh, grid=blocks)
+                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh, grid=block_grid)
                 return (acc[0] + terms.weighted_ce, acc[1] + terms.ce, acc[2] + terms.correct,
                         acc[3] + terms.n_masked), None
 
-            acc, _ = jax.lax.scan(at_t, acc, jnp.arange(grid.shape[0]))
+            acc, _ = jax.lax.scan(at_t, acc, jnp.arange(levels.shape[0]))
             return acc, None
 
         f0 = jnp.zeros((), jnp.float32)
         idx = jnp.arange(tokens.shape[0])
         (wce, ce, corr, nm), _ = jax.lax.scan(chunk, (f0, f0, f0, f0), (idx, tokens, valid, loss_mask))
         n_scored = jnp.maximum(jnp.sum(loss_mask & valid).astype(jnp.float32), 1.0)
-        return {"eval_loss": wce / (n_scored * grid.shape[0]), "eval_masked_ce": ce / jnp.maximum(nm, 1.0),
+        return {"eval_loss": wce / (n_scored * levels.shape[0]), "eval_masked_ce": ce / jnp.maximum(nm, 1.0),
                 "eval_masked_acc": corr / jnp.maximum(nm, 1.0)}
 
     return eval_fn
