@@ -1,9 +1,9 @@
 """An agent loop through `clover serve`: held-out questions of the toy tool task
-(`clover_jax.serving.toy_agent`: add, mul, capital), each asked with the tools through the `openai` client,
-every call executed and its result sent back, until the model answers in text.
+(`clover_jax.serving.toy_agent`: square, double, capital; one or two calls), each asked with the tools through
+the `openai` client, every call executed and its result sent back, until the model answers in text.
 
     python benchmarks/agent.py --train-steps 400              # fine-tune clover-tiny on the task first
-    python benchmarks/agent.py --model DIR --questions 24     # a checkpoint that already calls the tools
+    python benchmarks/agent.py --model DIR --questions 20     # a checkpoint that already calls the tools
 
 Starts `make_app` over an `Engine` with uvicorn in this process (its compile time is printed, not counted),
 runs every question non-streamed and streamed, and prints per mode: the share answered correctly, steps
@@ -34,8 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--train-steps", type=int, default=0, help="fine-tune on the task for this many steps first")
-    p.add_argument("--train-questions", type=int, default=360, help="training questions (two SFT rows each)")
-    p.add_argument("--questions", type=int, default=24, help="held-out questions")
+    p.add_argument("--train-questions", type=int, default=400, help="training questions (an SFT row per turn)")
+    p.add_argument("--questions", type=int, default=20, help="held-out questions")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="diffusion threshold (0: one token per pass)")
     p.add_argument("--clients", type=int, default=4, help="questions in flight at once")
@@ -61,7 +61,7 @@ def serve(weights: Any, cfg: Any, tok: Any) -> Iterator[tuple[Any, int]]:
     from clover_jax.serving.background import serve_in_background
     from clover_jax.serving.engine import Engine
 
-    eng = Engine(weights, cfg, max_prompt=192, max_tokens=96, batch_sizes=(1, 2, 4), queue_size=64)
+    eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1, 2, 4), queue_size=64)
     t0 = time.perf_counter()
     eng.warm_up(lambda line: None)
     print(f"compiled the serving programs in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -83,7 +83,9 @@ def run_loop(label: str, client: Any, port: int, model: str, held: list, stream:
     wall, passes = time.perf_counter() - t0, _passes(port) - before
     steps = [e.steps for e in eps]
     tokens = [n for e in eps for n in e.tokens]
-    print(f"{label:28s} correct {sum(e.correct for e in eps)}/{len(eps)}  steps/task {statistics.mean(steps):.2f}  "
+    print(f"{label:28s} correct {sum(e.correct for e in eps)}/{len(eps)} "
+          f"(through the task's calls {sum(e.through_the_tools for e in eps)})  "
+          f"steps/task {statistics.mean(steps):.2f}  "
           f"calls/task {statistics.mean(e.calls for e in eps):.2f}  tokens/step {statistics.mean(tokens):.1f}  "
           f"passes/step {passes / sum(steps):.1f}  wall/task {statistics.mean(e.wall_s for e in eps):.1f} s "
           f"({wall:.0f} s for all, {args.clients} at a time)", flush=True)

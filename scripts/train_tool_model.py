@@ -5,12 +5,13 @@
 
 Block-diffusion SFT (`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's
 training questions, with Orbax checkpoints in `--run` every `--score-every` steps: stop it at any time (Ctrl-C,
-a closed session) and the same command resumes from the latest one. At every checkpoint the held-out questions'
-two turns are generated as `clover serve` renders them (greedy, one token a pass, in low-confidence order and in
-random order, the shipped model's own): the first turn must be exactly the expected call, the second exactly the
-tool's result. The best weights so far (by the sum over both orders) are exported to `--export`, a native
-checkpoint `clover serve --model` takes. Prints one line per checkpoint; stops early when every held-out turn
-is right in both orders.
+a closed session) and the same command resumes from the latest one. At every checkpoint every turn of the held-out
+questions (`toy_agent.turns`: each call, then the answer, the conversation before it given) is generated as
+`clover serve` renders it (greedy, one token a pass, in low-confidence order and in random order, the shipped
+model's own): a call turn must be exactly the expected call, an answer turn exactly the last tool's result.
+The best weights so far (by the sum over both orders) are exported to `--export`, a native checkpoint
+`clover serve --model` takes. Prints one line per checkpoint; stops early when every held-out turn is right in
+both orders.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export", required=True, help="checkpoint directory for the best weights so far")
     p.add_argument("--steps", type=int, default=None, help="stop after this global step (default: the recipe's)")
     p.add_argument("--score-every", type=int, default=200, help="steps between checkpoints and scores")
-    p.add_argument("--train-questions", type=int, default=360)
-    p.add_argument("--held-out", type=int, default=24)
+    p.add_argument("--train-questions", type=int, default=400)
+    p.add_argument("--held-out", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
     p.add_argument("--force", action="store_true", help="let a new run replace an existing --export")
     args = p.parse_args(argv)
@@ -67,17 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         row = {"step": step}
         for order in ("low_confidence", "random"):
             row[order] = toy_agent.score_turns(weights, cfg, tok, held, remasking=order)
-        row["total"] = sum(sum(row[o]) for o in ("low_confidence", "random"))
+        row["total"] = sum(right for o in ("low_confidence", "random") for right, _ in row[o])
         with open(scores_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        n = len(held)
-        print(f"step {step} ({time.perf_counter() - t0:.0f} s this session): held out, calls / answers: "
-              f"low-confidence order {row['low_confidence'][0]}/{n}, {row['low_confidence'][1]}/{n}; "
-              f"random order {row['random'][0]}/{n}, {row['random'][1]}/{n}", flush=True)
+        (c, nc), (a, na) = row["low_confidence"]
+        (rc, _), (ra, _) = row["random"]
+        print(f"step {step} ({time.perf_counter() - t0:.0f} s this session): held-out turns right, calls / answers: "
+              f"low-confidence order {c}/{nc}, {a}/{na}; random order {rc}/{nc}, {ra}/{na}", flush=True)
         if row["total"] > best:
             best = row["total"]
             clover_jax.save_model(args.export, cfg, weights, tokenizer_dir=model_dir, force=True)
-        if best == 4 * n:
+        if best == 2 * sum(n for _, n in row["low_confidence"]):
             break
     return 0
 

@@ -319,18 +319,27 @@ def test_errors_are_openai_400s_with_param(body, param):
 def test_toy_task_rows_hold_calls_the_server_parses():
     from clover_jax.serving import toy_agent
 
-    train, held = toy_agent.split(60, 12, seed=1)
-    assert len(train) == 60 and len(held) == 12 and not {t.question for t in train} & {t.question for t in held}
-    assert [t.name for t in held[:3]] == ["add", "mul", "capital"]
-    rows = toy_agent.sft_rows(train[:3])
+    train, held = toy_agent.split(60, 10, seed=1)
+    assert len(train) == 60 and len(held) == 10 and not {t.question for t in train} & {t.question for t in held}
+    assert [[c.name for c in t.calls] for t in held[:5]] == [["square"], ["double"], ["square", "double"],
+                                                            ["double", "square"], ["capital"]]
+    chain = toy_agent.make_task(("square", "double"), {"x": 7}, "What is twice the square of {x}?")
+    assert chain.question == "What is twice the square of 7?" and chain.answer == "98"
+    assert chain.calls == (toy_agent.Call("square", {"x": 7}), toy_agent.Call("double", {"x": 49}))
     tools = {s.name: s for s in toy_agent.specs()}
-    for t, (ask, answer) in zip(train[:3], zip(rows[::2], rows[1::2], strict=True), strict=True):
-        assert ask["prompt"].startswith("tools:\nadd(a: integer, b: integer)\n") and ask["prompt"].endswith(
-            f"user: {t.question}\nassistant:")
-        assert parse_calls(ask["response"], tools).calls == (ParsedCall(t.name, t.arguments),)
-        assert answer["prompt"].endswith(f"tool: <tool_response>{t.answer}</tool_response>\nassistant:")
-        assert answer["response"] == " " + t.answer == " " + toy_agent.execute(t.name, t.arguments)
-    assert toy_agent.execute("add", {"a": 2}) == "error: bad call"
+    rows = toy_agent.sft_rows([chain])
+    assert len(rows) == 3  # two calls, then the answer
+    assert rows[0]["prompt"].startswith("tools:\nsquare(x: integer)\n") and rows[0]["prompt"].endswith(
+        "user: What is twice the square of 7?\nassistant:")
+    for row, call in zip(rows, chain.calls, strict=False):
+        assert parse_calls(row["response"], tools).calls == (ParsedCall(call.name, call.arguments),)
+    assert rows[1]["prompt"].endswith("tool: <tool_response>49</tool_response>\nassistant:")
+    assert rows[2]["prompt"].endswith("tool: <tool_response>98</tool_response>\nassistant:")
+    assert rows[2]["response"] == " 98" and parse_calls(rows[2]["response"], tools).calls == ()
+    for t in train:
+        assert len(toy_agent.sft_rows([t])) == len(t.calls) + 1 == len(toy_agent.turns(t))
+    assert toy_agent.execute("square", {"y": 2}) == "error: bad call"
+    assert toy_agent.execute("capital", {"country": "Peru"}) == "Lima"
 
 
 def test_published_fixture_template_takes_tools_and_calls():
