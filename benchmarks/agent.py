@@ -8,7 +8,8 @@ the `openai` client, every call executed and its result sent back, until the mod
 Starts `make_app` over an `Engine` with uvicorn in this process (its compile time is printed, not counted),
 runs every question non-streamed and streamed, and prints per mode: the share answered correctly, steps
 (chat completions) per task, tool calls per task, completion tokens per step, forward passes per step (from
-/metrics), and wall time per task; with `--untrained` also the same loop on the model before fine-tuning.
+/metrics), and wall time per task; with `--untrained` also the same loop on the model before fine-tuning (with
+`--model` and no `--train-steps`: the shipped clover-tiny).
 `--save DIR` keeps the fine-tuned checkpoint. A comparison with causal generation in transformers is not
 offered: no causal model of this vocabulary calls these tools. Prints figures; asserts nothing.
 """
@@ -39,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.0,
                    help="diffusion threshold (0: one token per pass)")
     p.add_argument("--clients", type=int, default=4, help="questions in flight at once")
-    p.add_argument("--untrained", action="store_true", help="also run the loop on the model before fine-tuning")
+    p.add_argument("--untrained", action="store_true", help="also run the loop on the model before fine-tuning "
+                   "(without --train-steps: the shipped model)")
     p.add_argument("--save", default=None, help="write the fine-tuned checkpoint here")
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
     return p.parse_args(argv)
@@ -110,11 +112,15 @@ def main(argv: list[str] | None = None) -> None:
               "(compile included)", flush=True)
         if args.save:
             clover_jax.save_model(args.save, cfg, weights, tokenizer_dir=model_dir)
-    for label, w in ((("untrained", base),) if args.untrained else ()) + (("tuned" if args.train_steps else
-                                                                             "model", weights),):
-        with serve(w, cfg, tok) as (client, port):
+    runs = [("tuned" if args.train_steps else "model", cfg, weights, tok)]
+    if args.untrained:
+        runs.insert(0, ("untrained", cfg, base, tok) if args.train_steps else
+                    ("shipped clover-tiny", *clover_jax.load_model(str(shipped.MODEL_DIR)),
+                     load_tokenizer(str(shipped.MODEL_DIR))))
+    for label, c, w, t in runs:
+        with serve(w, c, t) as (client, port):
             for stream in (False, True):
-                run_loop(f"{label}, {'streamed' if stream else 'not streamed'}", client, port, cfg.name, held,
+                run_loop(f"{label}, {'streamed' if stream else 'not streamed'}", client, port, c.name, held,
                          stream, args)
 
 
