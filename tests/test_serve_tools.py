@@ -338,6 +338,11 @@ def test_toy_task_rows_hold_calls_the_server_parses():
     assert rows[2]["response"] == " 98" and parse_calls(rows[2]["response"], tools).calls == ()
     for t in train:
         assert len(toy_agent.sft_rows([t])) == len(t.calls) + 1 == len(toy_agent.turns(t))
+    right = toy_agent.Episode(chain, answer=" 98", made=list(chain.calls))
+    assert right.correct and right.through_the_tools
+    skipped = toy_agent.Episode(chain, answer="98", made=[toy_agent.Call("double", {"x": 49})])
+    assert skipped.correct and not skipped.through_the_tools  # a right answer not reached by the task's calls
+    assert not toy_agent.Episode(chain, answer="97", made=list(chain.calls)).through_the_tools
     assert toy_agent.execute("square", {"y": 2}) == "error: bad call"
     assert toy_agent.execute("capital", {"country": "Peru"}) == "Lima"
 
