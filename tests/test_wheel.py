@@ -62,11 +62,14 @@ def test_wheel_imports_its_own_copy_with_its_data(installed, tmp_path):
     code = ("import json, clover_jax, clover_jax.shipped as s\n"
             "from clover_jax.mesh import layout_names\n"
             "from clover_jax.config import preset_names\n"
-            "print(json.dumps([clover_jax.__file__, str(s.MODEL_DIR), layout_names(), preset_names()]))")
+            "tools = clover_jax.load_model(str(s.TOOLS_MODEL_DIR))[0].name\n"
+            "print(json.dumps([clover_jax.__file__, str(s.MODEL_DIR), layout_names(), preset_names(), tools,\n"
+            "                  str(s.TOOLS_MODEL_DIR)]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(installed), "JAX_PLATFORMS": "cpu"})
-    module, model_dir, layouts, presets = json.loads(out.stdout)
+    module, model_dir, layouts, presets, tools, tools_dir = json.loads(out.stdout)
     assert module.startswith(str(installed)) and model_dir.startswith(str(installed))
+    assert tools == "clover-tiny-tools" and tools_dir.startswith(str(installed))  # the second shipped model loads
     assert {"cpu-8", "tpu-v5e-8", "gpu-8xh100"} <= set(layouts)
     assert {"clover-35b-a3b", "clover-tiny"} <= set(presets)
 
