@@ -34,6 +34,8 @@ PROMISES = {
     "03_convert_checkpoints.ipynb": Promise(("runtime: cpu", "max |logit difference|", "round trip: bit-exact"),
                                             pictures=1),
     "04_finetune.ipynb": Promise(("runtime: cpu", "before fine-tuning", "after fine-tuning", "reloaded"), pictures=1),
+    "05_agent_loop.ipynb": Promise(("runtime: cpu", "finish_reason 'tool_calls'", "tool call: square",
+                                    "answered through the tools", "server stopped"), pictures=1),
 }
 
 
