@@ -4,6 +4,7 @@ the `openai` client, every call executed and its result sent back, until the mod
 
     python benchmarks/agent.py --train-steps 400              # fine-tune clover-tiny on the task first
     python benchmarks/agent.py --model DIR --questions 20     # a checkpoint that already calls the tools
+    python benchmarks/agent.py --model checkpoints/clover-tiny-tools --untrained --threshold 0.9   # the shipped one
 
 Starts `make_app` over an `Engine` with uvicorn in this process (its compile time is printed, not counted),
 runs every question non-streamed and streamed, and prints per mode: the share answered correctly, steps
