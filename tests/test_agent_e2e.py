@@ -73,12 +73,13 @@ def test_the_loop_through_the_server_ends_in_plain_text_streamed_or_not(agent_se
         assert whole.answer == streamed.answer and whole.tokens == streamed.tokens
 
 
-@pytest.mark.parametrize(("stream", "threshold"), [(False, 0.0), (True, 0.0), (True, 0.9)],
-                         ids=["whole", "streamed", "streamed-threshold-0.9"])
+@pytest.mark.parametrize(("stream", "threshold"), [(False, 0.0), (True, 0.9)],
+                         ids=["whole", "streamed-threshold-0.9"])  # notebook 05 also runs both settings streamed
 def test_the_tool_model_answers_held_out_questions_through_its_calls(tools_server, stream, threshold):
     """All 20 held-out questions (questions and phrasing pairs training never showed) through the loop: most are
     answered with the last tool's result after exactly the task's calls, one or two (measured: 16 of 20 one token
-    a pass, 17 with threshold 0.9, streamed and not; the shipped model: 0)."""
+    a pass, 17 with threshold 0.9, streamed and not; the shipped model: 0). Whole responses one token a pass, and
+    streamed ones at threshold 0.9 (a block in about one pass)."""
     client, name = tools_server
     assert name == "clover-tiny-tools"
     held = toy_agent.split(N_TRAIN, N_HELD, seed=0)[1]
