@@ -63,23 +63,6 @@ COLS = 16  # tokens per row of the picture
 CMAP = plt.get_cmap("viridis")
 
 
-class CanvasRecorder:
-    """A `progress` callback: row 0's generated columns after every refinement step."""
-
-    def __init__(self) -> None:
-        self.frames: list[tuple[int, np.ndarray]] = []  # (forward passes so far, canvas)
-
-    def __call__(self, tokens: np.ndarray, block: int, nfe: int) -> None:
-        self.frames.append((nfe, np.array(tokens[0])))
-
-    def commit_pass(self, mask_id: int) -> np.ndarray:
-        """The forward pass in which each position was committed (0: still masked at the end)."""
-        passes = np.zeros(self.frames[0][1].shape, int)
-        for nfe, row in self.frames:
-            passes[(row != mask_id) & (passes == 0)] = nfe
-        return passes
-
-
 def _pieces(tok, ids: np.ndarray) -> list[str]:
     """Each token's own text (what it adds to the decoded string); a line break shows as ↵."""
     pieces, before = [], ""
@@ -117,6 +100,7 @@ def canvas() -> None:
     import json
 
     import clover_jax
+    from clover_jax.sampler import CanvasRecorder
     from clover_jax.tokenizer import load_tokenizer
 
     model_dir = str(clover_jax.shipped.MODEL_DIR)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clover_jax.config import get_config
-from clover_jax.sampler import SamplerConfig, SamplerError, compile_count, generate
+from clover_jax.sampler import CanvasRecorder, SamplerConfig, SamplerError, compile_count, generate
 
 CFG = get_config("test-clover")  # mask 255, eos 1, pad 0, vocab 256
 V, MASK, EOS = CFG.vocab_size, CFG.mask_token_id, CFG.eos_token_id
@@ -101,6 +101,25 @@ def test_commit_order_of_each_strategy(random_table):
     for o in rnd:
         assert sorted(o[:BL]) == list(range(BL)) and sorted(o[BL:]) == list(range(BL, G))  # blocks in order
     assert rnd[0] != rnd[1] and rnd[0] not in orders.values()
+
+
+@pytest.mark.parametrize("steps", [16, 5])
+def test_canvas_recorder_gives_the_pass_that_committed_each_position(random_table, steps):
+    """`CanvasRecorder` as the progress callback: for the row it watches, each position's commit pass is the pass
+    count of the step whose snapshot first shows it (several positions per step with fewer steps)."""
+    _, frames = run(random_table, sc(steps=steps))
+    rec = CanvasRecorder(row=1)
+    weights = {"cond": jnp.asarray(random_table), "uncond": jnp.asarray(random_table)}
+    res = generate(weights, CFG, PROMPTS, sc(steps=steps), forward_fn=Scripted(), progress=rec)
+    passes = rec.commit_pass(MASK)
+    want = np.zeros(G, int)
+    for (nfe, _), cols in zip(rec.frames, commit_steps(frames, 1), strict=True):
+        want[cols] = nfe
+    assert len(rec.frames) == len(frames) and (passes > 0).all() and passes.max() == res.stats.nfe
+    np.testing.assert_array_equal(passes, want)
+    assert len(set(passes.tolist())) == len(frames)  # one pass count per step
+    with pytest.raises(ValueError, match="progress=recorder"):
+        CanvasRecorder().commit_pass(MASK)
 
 
 @pytest.mark.parametrize("steps,per_block", [(6, [3, 3, 2]), (5, [4, 4]), (2, [8]), (16, [1] * 8)])

@@ -1,10 +1,12 @@
 """The masked-diffusion sampler: `generate(weights, cfg, prompts, SamplerConfig(...))`.
 
 `generate` checks and batches a request and runs it as one compiled program (`program`); the
-per-step arithmetic (filters, draws, remasking scores, the commit rule) is in `scoring`.
+per-step arithmetic (filters, draws, remasking scores, the commit rule) is in `scoring`; `CanvasRecorder`
+(`canvas`) is a progress callback that tells the pass in which each position was committed.
 """
 
 from clover_jax.errors import SamplerError
+from clover_jax.sampler.canvas import CanvasRecorder
 from clover_jax.sampler.generate import (
     CONFIDENCES,
     GenerateResult,
@@ -29,6 +31,7 @@ __all__ = [
     "CACHE_MODES",
     "CONFIDENCES",
     "REMASKING",
+    "CanvasRecorder",
     "GenerateResult",
     "ModelForward",
     "ProgramSpec",
