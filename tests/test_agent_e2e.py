@@ -31,7 +31,7 @@ N_TRAIN, N_HELD = 400, 20  # scripts/train_tool_model.py's split
 
 
 def _serve(model_dir: str):
-    """`model_dir` served on a free loopback port: yields (openai client, model name)."""
+    """`model_dir` served on a free loopback port: yields (openai client, model name, engine)."""
     from clover_jax.serving.background import serve_in_background
     from clover_jax.serving.engine import Engine
 
@@ -41,18 +41,18 @@ def _serve(model_dir: str):
     eng.warm_up(lambda line: None)
     eng.start()
     with serve_in_background(eng, tok, cfg.name) as srv:
-        yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600), cfg.name
+        yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600), cfg.name, eng
 
 
 @pytest.fixture(scope="session")
 def agent_server():
-    """The shipped clover-tiny served: (openai client, model name)."""
+    """The shipped clover-tiny served: (openai client, model name, engine)."""
     yield from _serve(str(shipped.MODEL_DIR))
 
 
 @pytest.fixture(scope="module")
 def tools_server():
-    """The shipped clover-tiny-tools served: (openai client, model name)."""
+    """The shipped clover-tiny-tools served: (openai client, model name, engine)."""
     yield from _serve(str(shipped.TOOLS_MODEL_DIR))
 
 
@@ -63,7 +63,7 @@ def _loop(client, name: str, tasks, stream: bool, extra_body: dict | None = None
 
 
 def test_the_loop_through_the_server_ends_in_plain_text_streamed_or_not(agent_server):
-    client, name = agent_server
+    client, name, _ = agent_server
     held = toy_agent.split(N_TRAIN, N_HELD, seed=0)[1][:4]
     runs = {stream: _loop(client, name, held, stream) for stream in (False, True)}
     for whole, streamed in zip(runs[False], runs[True], strict=True):
@@ -78,13 +78,16 @@ def test_the_loop_through_the_server_ends_in_plain_text_streamed_or_not(agent_se
 def test_the_tool_model_answers_held_out_questions_through_its_calls(tools_server, stream, threshold):
     """All 20 held-out questions (questions and phrasing pairs training never showed) through the loop: most are
     answered with the last tool's result after exactly the task's calls, one or two (measured: 16 of 20 one token
-    a pass, 17 with threshold 0.9, streamed and not; the shipped model: 0). Whole responses one token a pass, and
-    streamed ones at threshold 0.9 (a block in about one pass)."""
-    client, name = tools_server
+    a pass, 17 with threshold 0.9, streamed and not; the shipped model: 0). Whole responses one token a pass (every
+    block its 32 passes: 51.2 a completion measured), and streamed ones at threshold 0.9 (1.7 measured)."""
+    client, name, engine = tools_server
     assert name == "clover-tiny-tools"
     held = toy_agent.split(N_TRAIN, N_HELD, seed=0)[1]
     extra = {"diffusion": {"threshold": threshold}} if threshold else None
+    before = engine.stats().row_passes
     episodes = _loop(client, name, held, stream, extra)
+    passes = (engine.stats().row_passes - before) / sum(e.steps for e in episodes)  # per completion
+    assert passes < 4 if threshold else passes >= 32, passes  # the threshold reached the sampler
     good = [e for e in episodes if e.through_the_tools]
     assert len(good) >= 12, [(e.task.question, e.made, e.answer) for e in episodes]
     assert any(len(e.task.calls) == 2 for e in good)  # a chain: the second call made on the first's result
@@ -146,3 +149,10 @@ def test_fine_tuning_on_the_task_lowers_its_loss():
     before, after = evaluate(base, cfg, batch)["eval_loss"], evaluate(tuned, cfg, batch)["eval_loss"]
     print(f"task loss: shipped {before:.3f}, after 12 steps {after:.3f}")
     assert after < 0.5 * before, (before, after)
+
+
+def test_on_chunk_needs_a_stream():
+    """`run_agent(on_chunk=...)` without `stream`: refused before any request (a whole completion has no chunks)."""
+    task = toy_agent.split(N_TRAIN, N_HELD, seed=0)[1][0]
+    with pytest.raises(ValueError, match="stream=True"):
+        toy_agent.run_agent(None, "clover-tiny-tools", task, on_chunk=print)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,14 +176,18 @@ class Episode:
 
 
 def run_agent(client: Any, model: str, task: Task, *, stream: bool = False, max_steps: int = 4,
-              max_tokens: int = 96, extra_body: dict[str, Any] | None = None) -> Episode:
+              max_tokens: int = 96, extra_body: dict[str, Any] | None = None,
+              on_chunk: Callable[[Any], None] | None = None) -> Episode:
     """Ask `task.question` with the tools through `client` (an `openai.OpenAI`), execute every call the model
-    makes and send its result back, until the model answers in text or `max_steps` completions were asked."""
+    makes and send its result back, until the model answers in text or `max_steps` completions were asked.
+    `on_chunk(chunk)`: called with every chunk of every streamed completion as it arrives (needs `stream`)."""
+    if on_chunk is not None and not stream:
+        raise ValueError("on_chunk needs stream=True: a whole completion has no chunks")
     ep, started = Episode(task), time.monotonic()
     messages: list[dict[str, Any]] = [{"role": "user", "content": task.question}]
     while ep.steps < max_steps:
         ep.steps += 1
-        content, calls, tokens = _complete(client, model, messages, stream, max_tokens, extra_body or {})
+        content, calls, tokens = _complete(client, model, messages, stream, max_tokens, extra_body or {}, on_chunk)
         ep.tokens.append(tokens)
         if not calls:
             ep.answer = content
@@ -203,7 +207,8 @@ def run_agent(client: Any, model: str, task: Task, *, stream: bool = False, max_
 
 
 def _complete(client: Any, model: str, messages: list[dict[str, Any]], stream: bool, max_tokens: int,
-              extra_body: dict[str, Any]) -> tuple[str, list[dict[str, Any]], int]:
+              extra_body: dict[str, Any], on_chunk: Callable[[Any], None] | None = None
+              ) -> tuple[str, list[dict[str, Any]], int]:
     """(content, tool calls as OpenAI dicts, completion tokens) of one chat completion."""
     kwargs = {"model": model, "messages": messages, "tools": list(TOOLS), "max_tokens": max_tokens,
               "temperature": 0.0, "extra_body": extra_body}
@@ -216,6 +221,8 @@ def _complete(client: Any, model: str, messages: list[dict[str, Any]], stream: b
         return msg.content or "", calls, out.usage.completion_tokens
     content, slots, tokens = "", {}, 0
     for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if on_chunk is not None:
+            on_chunk(chunk)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
