@@ -65,6 +65,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -139,6 +140,9 @@ class ServerState:
 
 class EngineFailure(Exception):
     """The engine ended a choice with finish_reason "error" (its device program failed)."""
+
+
+CLIENT_CLOSED = 499  # the access log's status of a request whose client hung up mid-body (nginx's convention)
 
 
 class ApiError(Exception):
@@ -325,7 +329,8 @@ def _depth(value: Any) -> int:
 async def _json_body(request: HTTPRequest) -> dict[str, Any]:
     """The request's JSON object. ApiError 415 unless the content type is JSON, 413 for a body over the
     limit (from Guard's counting `receive`), 400 for anything that is not a JSON object of at most
-    MAX_DEPTH levels (invalid UTF-8, bad syntax, NaN / Infinity, an integer of over 4300 digits)."""
+    MAX_DEPTH levels (invalid UTF-8, bad syntax, NaN / Infinity, an integer of over 4300 digits); CLIENT_CLOSED
+    when the client hangs up before its whole body arrived (an access line, no error log)."""
     if not _is_json(request.headers.get("content-type")):
         raise ApiError(415, "send the body as JSON with the header 'Content-Type: application/json'",
                        code="unsupported_media_type")
@@ -333,6 +338,9 @@ async def _json_body(request: HTTPRequest) -> dict[str, Any]:
         raw = await request.body()
     except BodyTooLarge as e:
         raise ApiError(413, str(e), code="body_too_large", headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # gone before its whole body came: nobody to answer, nothing to log but the access line
+        raise ApiError(CLIENT_CLOSED, "the client closed the connection before sending its whole body",
+                       code="client_disconnected") from None
     try:
         body = json.loads(raw, parse_constant=_no_constants)
     except RecursionError:
