@@ -287,8 +287,6 @@ def gdn_layer(args: argparse.Namespace, cfg, weights) -> int:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.model import gated_deltanet
-
     layer = jax.tree.map(lambda a: a[0], weights.linear_layers).attn
     torch_layer = None
     if not args.no_torch:
@@ -303,7 +301,7 @@ def gdn_layer(args: argparse.Namespace, cfg, weights) -> int:
         x = jax.random.normal(jax.random.key(t), (1, t, cfg.d_model), jnp.float32)
         calls = {}
         for name, chunk in (("chunked", 0), ("recurrent", 10**9)):
-            fn = jax.jit(lambda x, chunk=chunk: _mixer_with(gated_deltanet, chunk, x, layer, cfg)).lower(x).compile()
+            fn = jax.jit(lambda x, chunk=chunk: _mixer_with(chunk, x, layer, cfg)).lower(x).compile()
             calls[name] = lambda fn=fn, x=x: fn(x).block_until_ready()
         if torch_layer is not None:
             xt = torch.from_numpy(np.asarray(x))
@@ -319,14 +317,16 @@ def gdn_layer(args: argparse.Namespace, cfg, weights) -> int:
     return 0
 
 
-def _mixer_with(gated_deltanet, chunk_threshold: int, x, layer, cfg):
+def _mixer_with(chunk_threshold: int, x, layer, cfg):
     """The mixer with the chunked form for windows longer than `chunk_threshold` (0: always chunked)."""
-    saved = gated_deltanet.RECURRENT_MAX
-    gated_deltanet.RECURRENT_MAX = chunk_threshold  # read while tracing: this jitted function keeps its form
+    from clover_jax.model import delta_rule, gated_deltanet
+
+    saved = delta_rule.RECURRENT_MAX
+    delta_rule.RECURRENT_MAX = chunk_threshold  # read while tracing: this jitted function keeps its form
     try:
         return gated_deltanet.mixer(x, layer, cfg)[0]
     finally:
-        gated_deltanet.RECURRENT_MAX = saved
+        delta_rule.RECURRENT_MAX = saved
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from clover_jax.model import delta_rule as dr
 from clover_jax.model import gated_deltanet as gdn
 from tests.test_block_diffusion_gdn import CFG, _mixer_weights
 
@@ -31,14 +32,14 @@ def _layout() -> tuple[jax.Array, jax.Array]:
 VALID, BLOCK_IDS = _layout()
 
 
-def _stream(seed: int) -> gdn.Stream:
+def _stream(seed: int) -> dr.Stream:
     rng = np.random.default_rng(seed)
-    q = gdn.l2_normalize(jnp.asarray(rng.standard_normal((B, T, HK, DK)), jnp.float32))
-    k = gdn.l2_normalize(jnp.asarray(rng.standard_normal((B, T, HK, DK)), jnp.float32))
+    q = dr.l2_normalize(jnp.asarray(rng.standard_normal((B, T, HK, DK)), jnp.float32))
+    k = dr.l2_normalize(jnp.asarray(rng.standard_normal((B, T, HK, DK)), jnp.float32))
     v = jnp.asarray(rng.standard_normal((B, T, HV, DV)), jnp.float32)
-    g, beta = gdn.mask_padding(-jnp.asarray(rng.uniform(0.01, 0.5, (B, T, HV)), jnp.float32),
+    g, beta = dr.mask_padding(-jnp.asarray(rng.uniform(0.01, 0.5, (B, T, HV)), jnp.float32),
                                jnp.asarray(rng.uniform(0.05, 0.95, (B, T, HV)), jnp.float32), VALID)
-    return gdn.Stream(q, k, v, g, beta)
+    return dr.Stream(q, k, v, g, beta)
 
 
 STATE = jnp.asarray(np.random.default_rng(9).standard_normal((B, HV, DK, DV)), jnp.float32) * 0.3
@@ -49,8 +50,8 @@ def _both(history: bool, noisy: bool, commit: bool):
     def call(rule, x, nz, state, m):
         return rule(x, BLOCK_IDS, VALID, state, m if commit else None, history, nz if noisy else None)
 
-    chunked = functools.partial(gdn.delta_rule_blocks_chunked, chunk=CHUNK)
-    return jax.jit(functools.partial(call, gdn.delta_rule_blocks)), jax.jit(functools.partial(call, chunked))
+    chunked = functools.partial(dr.delta_rule_blocks_chunked, chunk=CHUNK)
+    return jax.jit(functools.partial(call, dr.delta_rule_blocks)), jax.jit(functools.partial(call, chunked))
 
 
 # (history, noisy, commit): what mixer / _two_stream run (bd: history; bd_gdn="none": causal read-outs)
@@ -84,9 +85,9 @@ def test_chunked_gradients_equal_the_scan(history):
         o, on, s = rule(x, BLOCK_IDS, VALID, state, 27, history, nz)
         return jnp.sum(o * r[0]) + jnp.sum(on * r[1]) + jnp.sum(s * r[2])
 
-    chunked = functools.partial(gdn.delta_rule_blocks_chunked, chunk=CHUNK)
+    chunked = functools.partial(dr.delta_rule_blocks_chunked, chunk=CHUNK)
     want, got = (jax.jit(jax.grad(functools.partial(loss, rule), argnums=(0, 1, 2)))(x, nz, STATE)
-                 for rule in (gdn.delta_rule_blocks, chunked))
+                 for rule in (dr.delta_rule_blocks, chunked))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
@@ -97,9 +98,9 @@ def test_chunked_gradients_equal_the_scan(history):
 def chunked_mixer(monkeypatch):
     """The mixer on the chunked rule for every window, in chunks of 8 (a block of CFG); a new jitted function
     (the constants are read while tracing)."""
-    monkeypatch.setattr(gdn, "BLOCKS_SCAN_MAX", 0)
-    monkeypatch.setattr(gdn, "CHUNK", 8)
-    assert gdn._blocks_rule(9, CFG).func is gdn.delta_rule_blocks_chunked
+    monkeypatch.setattr(dr, "BLOCKS_SCAN_MAX", 0)
+    monkeypatch.setattr(dr, "CHUNK", 8)
+    assert dr.blocks_rule(9, CFG.block_size).func is dr.delta_rule_blocks_chunked
     return jax.jit(lambda *a, **k: gdn.mixer(*a, **k), static_argnums=2, static_argnames=("two_stream",))
 
 
@@ -113,7 +114,7 @@ def test_chunked_mixer_equals_the_scan_with_padding_a_cache_and_commit(chunked_m
     x = jax.random.normal(jax.random.key(8), (3, t, CFG.d_model))
     scan = jax.jit(lambda *a: gdn.mixer(*a), static_argnums=2)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(gdn, "BLOCKS_SCAN_MAX", 256)
+        m.setattr(dr, "BLOCKS_SCAN_MAX", 256)
         shapes = jax.eval_shape(lambda: gdn.mixer(x, w, CFG, valid, None, blocks)[1])
         zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         _, cache = scan(jax.random.normal(jax.random.key(9), x.shape), w, CFG, jnp.ones_like(valid), zero,
@@ -147,7 +148,7 @@ def test_chunked_two_stream_mixer_equals_the_scan(chunked_mixer, bd):
     form = jax.grad(run, has_aux=True) if bd == "reconstructed" else lambda x: (None, run(x)[1])
     got = jax.jit(form)(x)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(gdn, "BLOCKS_SCAN_MAX", 256)
+        m.setattr(dr, "BLOCKS_SCAN_MAX", 256)
         want = jax.jit(lambda x: form(x))(x)
     assert float(jnp.abs(want[1][0]).max()) > 0.1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -13,6 +13,7 @@ import pytest
 
 from clover_jax.config import get_config
 from clover_jax.errors import ConfigError
+from clover_jax.model import delta_rule as dr
 from clover_jax.model import gated_deltanet as gdn
 from clover_jax.model import params, transformer
 from clover_jax.training import losses
@@ -102,9 +103,9 @@ def test_mixer_matches_the_direct_computation_and_its_gradients(rule, monkeypatc
     directions (two per tensor), for every tensor the block-diffusion reading adds and the ones it reads. Both
     delta rules: the position scan, and the chunked form in chunks of 8 (blocks of 5, 8, 8, 3 straddle them)."""
     if rule == "chunked":  # read while tracing
-        monkeypatch.setattr(gdn, "BLOCKS_SCAN_MAX", 0)
-        monkeypatch.setattr(gdn, "CHUNK", 8)
-        assert gdn._blocks_rule(9, CFG).func is gdn.delta_rule_blocks_chunked
+        monkeypatch.setattr(dr, "BLOCKS_SCAN_MAX", 0)
+        monkeypatch.setattr(dr, "CHUNK", 8)
+        assert dr.blocks_rule(9, CFG.block_size).func is dr.delta_rule_blocks_chunked
     w = _mixer_weights()
     x = jax.random.normal(jax.random.key(5), (1, len(BLOCKS), CFG.d_model))
     blocks = jnp.asarray(BLOCKS)[None]
@@ -136,8 +137,8 @@ def test_inblock_attention_tiles_equal_one_dense_softmax():
     t = 70
     blocks = jnp.asarray(np.repeat(np.arange(24), rng.integers(3, 9, 24))[:t])[None]
     valid = jnp.asarray(rng.random((1, t)) > 0.1)
-    q = gdn.l2_normalize(jnp.asarray(rng.standard_normal((1, t, 2, 16))))
-    k = gdn.l2_normalize(jnp.asarray(rng.standard_normal((1, t, 2, 16))))
+    q = dr.l2_normalize(jnp.asarray(rng.standard_normal((1, t, 2, 16))))
+    k = dr.l2_normalize(jnp.asarray(rng.standard_normal((1, t, 2, 16))))
     v = jnp.asarray(rng.standard_normal((1, t, 4, 8)), jnp.float32)
     hist = jnp.asarray(rng.standard_normal((1, t, 4, 8)), jnp.float32)
     w = _mixer_weights()

@@ -7,15 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from clover_jax.model import delta_rule as dr
 from clover_jax.model import gated_deltanet as gdn
+from clover_jax.model import short_conv
 
 B, HK, HV, DK, DV = 2, 2, 4, 16, 8  # each key head shared by two value heads, as in Qwen3.5 (16 k / 32 v)
 
 
 def _inputs(t: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    q = gdn.l2_normalize(jnp.asarray(rng.standard_normal((B, t, HK, DK)), jnp.float32))
-    k = gdn.l2_normalize(jnp.asarray(rng.standard_normal((B, t, HK, DK)), jnp.float32))
+    q = dr.l2_normalize(jnp.asarray(rng.standard_normal((B, t, HK, DK)), jnp.float32))
+    k = dr.l2_normalize(jnp.asarray(rng.standard_normal((B, t, HK, DK)), jnp.float32))
     v = jnp.asarray(rng.standard_normal((B, t, HV, DV)), jnp.float32)
     g = -jnp.asarray(rng.uniform(0.01, 0.5, (B, t, HV)), jnp.float32)  # log decay <= 0
     beta = jnp.asarray(rng.uniform(0.05, 0.95, (B, t, HV)), jnp.float32)
@@ -26,8 +28,8 @@ def _inputs(t: int, seed: int = 0):
 def test_chunked_equals_recurrent(t, chunk):
     q, k, v, g, beta = _inputs(t)
     s0 = jnp.asarray(np.random.default_rng(1).standard_normal((B, HV, DK, DV)), jnp.float32) * 0.1
-    o_r, s_r = gdn.delta_rule_recurrent(q, k, v, g, beta, s0)
-    o_c, s_c = gdn.delta_rule_chunked(q, k, v, g, beta, s0, chunk=chunk)
+    o_r, s_r = dr.delta_rule_recurrent(q, k, v, g, beta, s0)
+    o_c, s_c = dr.delta_rule_chunked(q, k, v, g, beta, s0, chunk=chunk)
     assert o_c.shape == (B, t, HV, DV) and s_c.shape == (B, HV, DK, DV)
     assert float(jnp.abs(o_r).max()) > 0.1  # the state really carries something
     np.testing.assert_allclose(o_c, o_r, atol=1e-5, rtol=1e-5)
@@ -36,8 +38,8 @@ def test_chunked_equals_recurrent(t, chunk):
 
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_prefix_then_rest_equals_whole(form):
-    run = {"recurrent": gdn.delta_rule_recurrent,
-           "chunked": lambda *a: gdn.delta_rule_chunked(*a, chunk=16)}[form]
+    run = {"recurrent": dr.delta_rule_recurrent,
+           "chunked": lambda *a: dr.delta_rule_chunked(*a, chunk=16)}[form]
     q, k, v, g, beta = _inputs(50)
     whole, s_whole = run(q, k, v, g, beta, None)
     cut = 23
@@ -51,16 +53,16 @@ def test_conv_tail_carries_and_skips_padding():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((B, 20, 6)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)
-    whole, tail_whole = gdn.causal_conv(x, w)
-    y1, tail = gdn.causal_conv(x[:, :9], w)
-    y2, tail_end = gdn.causal_conv(x[:, 9:], w, tail)
+    whole, tail_whole = short_conv.causal_conv(x, w)
+    y1, tail = short_conv.causal_conv(x[:, :9], w)
+    y2, tail_end = short_conv.causal_conv(x[:, 9:], w, tail)
     np.testing.assert_allclose(jnp.concatenate([y1, y2], axis=1), whole, atol=1e-6)
     np.testing.assert_allclose(tail_end, tail_whole)
     np.testing.assert_allclose(tail_whole, x[:, -3:])
     # A window that ends in padding hands on the last valid inputs: continuing equals the unpadded run.
     valid = jnp.arange(12)[None].repeat(B, 0) < 9
     padded = jnp.concatenate([x[:, :9], jnp.full((B, 3, 6), 7.0)], axis=1)
-    y_pad, tail_pad = gdn.causal_conv(padded, w, valid=valid)
+    y_pad, tail_pad = short_conv.causal_conv(padded, w, valid=valid)
     np.testing.assert_allclose(y_pad[:, :9], y1, atol=1e-6)
     np.testing.assert_allclose(tail_pad, tail)
 
@@ -68,11 +70,11 @@ def test_conv_tail_carries_and_skips_padding():
 def test_padding_columns_leave_the_state_alone():
     q, k, v, g, beta = _inputs(24)
     valid = jnp.ones((B, 24), bool).at[1, 16:].set(False)  # row 1: the last 8 columns are padding
-    gm, bm = gdn.mask_padding(g, beta, valid)
-    _, s = gdn.delta_rule_chunked(q, k, v, gm, bm, chunk=8)
-    _, s_short = gdn.delta_rule_recurrent(*(a[1:, :16] for a in (q, k, v, g, beta)))
+    gm, bm = dr.mask_padding(g, beta, valid)
+    _, s = dr.delta_rule_chunked(q, k, v, gm, bm, chunk=8)
+    _, s_short = dr.delta_rule_recurrent(*(a[1:, :16] for a in (q, k, v, g, beta)))
     np.testing.assert_allclose(s[1:], s_short, atol=1e-5, rtol=1e-5)
-    _, s_full = gdn.delta_rule_recurrent(q, k, v, g, beta)
+    _, s_full = dr.delta_rule_recurrent(q, k, v, g, beta)
     np.testing.assert_allclose(s[:1], s_full[:1], atol=1e-5, rtol=1e-5)  # row 0 untouched by row 1's mask
 
 
@@ -83,9 +85,9 @@ def test_gradients_of_both_forms_agree():
         o, s = fn(q, k, v, g, beta)
         return jnp.sum(jnp.sin(o)) + jnp.sum(s * s)
 
-    chunked = lambda *a: gdn.delta_rule_chunked(*a, chunk=16)
+    chunked = lambda *a: dr.delta_rule_chunked(*a, chunk=16)
     args = (q, k, v, g, beta)
-    want = jax.grad(lambda *a: loss(gdn.delta_rule_recurrent, *a), argnums=(0, 1, 2, 3, 4))(*args)
+    want = jax.grad(lambda *a: loss(dr.delta_rule_recurrent, *a), argnums=(0, 1, 2, 3, 4))(*args)
     got = jax.jit(jax.grad(lambda *a: loss(chunked, *a), argnums=(0, 1, 2, 3, 4)))(*args)
     for name, a, b in zip(["q", "k", "v", "g", "beta"], got, want, strict=True):
         assert float(jnp.abs(b).max()) > 0, name
@@ -118,9 +120,9 @@ def test_delta_rule_matches_transformers(reference, t):
             tq, tk, tv, g=tg, beta=tb, initial_state=ts, output_final_state=True, use_qk_l2norm_in_kernel=True)
         want_r, want_sr = modeling.torch_recurrent_gated_delta_rule(
             tq, tk, tv, g=tg, beta=tb, initial_state=ts, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    qn, kn = gdn.l2_normalize(jnp.asarray(q)), gdn.l2_normalize(jnp.asarray(k))
-    got_c, got_sc = gdn.delta_rule_chunked(qn, kn, jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(s0))
-    got_r, got_sr = gdn.delta_rule_recurrent(qn, kn, jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta),
+    qn, kn = dr.l2_normalize(jnp.asarray(q)), dr.l2_normalize(jnp.asarray(k))
+    got_c, got_sc = dr.delta_rule_chunked(qn, kn, jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(s0))
+    got_r, got_sr = dr.delta_rule_recurrent(qn, kn, jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta),
                                              jnp.asarray(s0))
     for got, want in ((got_c, want_c), (got_r, want_r), (got_sc, want_sc), (got_sr, want_sr)):
         np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-5, rtol=1e-4)
@@ -134,7 +136,7 @@ def test_conv_matches_transformers(reference):
     with torch.no_grad():
         want = modeling.causal_conv1d_fn(torch.from_numpy(x).transpose(1, 2), torch.from_numpy(w).squeeze(1),
                                          None, activation="silu").transpose(1, 2).numpy()
-    y, _ = gdn.causal_conv(jnp.asarray(x), jnp.asarray(w[:, 0, :].T))
+    y, _ = short_conv.causal_conv(jnp.asarray(x), jnp.asarray(w[:, 0, :].T))
     np.testing.assert_allclose(np.asarray(jax.nn.silu(y)), want, atol=1e-5)
 
 
@@ -146,7 +148,7 @@ def test_mixer_carries_its_state_across_windows_and_skips_padding(monkeypatch):
 
     cfg = get_config("test-qwen3-5-moe")
     layer = jax.tree.map(lambda a: a[0], params.init(cfg, jax.random.key(0)).linear_layers)
-    monkeypatch.setattr(gdn, "RECURRENT_MAX", 64)  # (read while tracing)
+    monkeypatch.setattr(dr, "RECURRENT_MAX", 64)  # (read while tracing)
     x = jax.random.normal(jax.random.key(1), (B, 90, cfg.d_model), jnp.float32)
     whole, s_whole = gdn.mixer(x, layer.attn, cfg)  # 90 > RECURRENT_MAX: chunked
     first, s = gdn.mixer(x[:, :50], layer.attn, cfg)
@@ -167,7 +169,7 @@ def test_hybrid_forward_with_a_cache_runs_prefix_then_rest_as_the_whole():
     recurrent state + conv tail for the Gated DeltaNet layers), then the rest against it, gives the logits
     of one pass over everything; the state in the cache is what a pass over the whole leaves."""
     from clover_jax.config import get_config
-    from clover_jax.model import masks, params, transformer
+    from clover_jax.model import init_cache, masks, params, transformer
 
     cfg = get_config("test-qwen3-5-moe")
     weights = params.init(cfg, jax.random.key(0))
@@ -176,7 +178,7 @@ def test_hybrid_forward_with_a_cache_runs_prefix_then_rest_as_the_whole():
     valid = jnp.ones((B, t), bool)
     pos = masks.positions(valid)
     whole = transformer.forward(weights, cfg, tokens, dispatch="dense")
-    cache = transformer.init_cache(cfg, B, t)
+    cache = init_cache(cfg, B, t)
     assert cache.linear.recurrent.shape == (3, B, 4, 16, 8) and cache.moe_k.shape == (1, B, t, 2, 16)
     full = masks.full_mask(cfg, valid)  # causal (blocks of one token)
     first = transformer.forward(weights, cfg, tokens[:, :cut], pos[:, :cut], full[:, :cut], cache, 0,
@@ -185,7 +187,7 @@ def test_hybrid_forward_with_a_cache_runs_prefix_then_rest_as_the_whole():
                                dispatch="dense")
     got = jnp.concatenate([first.logits, rest.logits], axis=1)
     np.testing.assert_allclose(got, whole.logits, atol=1e-4, rtol=1e-4)
-    again = transformer.forward(weights, cfg, tokens, pos, full, transformer.init_cache(cfg, B, t), 0,
+    again = transformer.forward(weights, cfg, tokens, pos, full, init_cache(cfg, B, t), 0,
                                 dispatch="dense").cache
     for a, b in zip(rest.cache.linear, again.linear, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)

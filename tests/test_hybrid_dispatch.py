@@ -6,11 +6,11 @@ import jax
 import numpy as np
 
 from clover_jax.config import ModelConfig
-from clover_jax.model import gated_deltanet, params, transformer
+from clover_jax.model import delta_rule, params, transformer
 
 
 def test_tiled_equals_dense_at_a_medium_hybrid_shape(monkeypatch):
-    monkeypatch.setattr(gated_deltanet, "RECURRENT_MAX", 64)  # the chunked form for these 192-token rows
+    monkeypatch.setattr(delta_rule, "RECURRENT_MAX", 64)  # the chunked form for these 192-token rows
     group = ("linear_attention",) * 3 + ("full_attention",)
     cfg = ModelConfig(
         name="medium-hybrid", family="qwen3_5_moe", vocab_size=32000, d_model=512, n_layers=8, n_heads=8,

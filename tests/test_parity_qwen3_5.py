@@ -72,9 +72,9 @@ def test_converted_config(models):
 
 @pytest.mark.parametrize(("length", "recurrent_max"), [(24, 256), (80, 64)])  # (80, 64): chunked, short last chunk
 def test_logits_match_transformers(models, length, recurrent_max, monkeypatch):
-    from clover_jax.model import gated_deltanet
+    from clover_jax.model import delta_rule
 
-    monkeypatch.setattr(gated_deltanet, "RECURRENT_MAX", recurrent_max)  # read while tracing
+    monkeypatch.setattr(delta_rule, "RECURRENT_MAX", recurrent_max)  # read while tracing
     model, cfg, weights, _ = models
     tokens = np.asarray(jax.random.randint(jax.random.key(length), (2, length), 2, cfg.vocab_size))
     valid = np.ones(tokens.shape, bool)

@@ -115,13 +115,6 @@ def fused_experts_down(hf_key: str, slot: Slot, e: int, d: int, f: int) -> Group
                  to_hf=lambda a: [np.ascontiguousarray(a[0].transpose(0, 2, 1))], part=part)
 
 
-def depthwise_conv(hf_key: str, slot: Slot, kernel: int, channels: int) -> Group:
-    """A depthwise `nn.Conv1d` weight [C, 1, K] <-> native [K, C]."""
-    return Group(hf=(hf_key,), hf_shapes=((channels, 1, kernel),), native=(slot,),
-                 to_native=lambda a: [np.ascontiguousarray(a[0][:, 0, :].T)],
-                 to_hf=lambda a: [np.ascontiguousarray(a[0].T[:, None, :])])
-
-
 def gdn_qkv(hf_key: str, slot: Slot, cfg: ModelConfig) -> Group:
     """A Gated DeltaNet's `in_proj_qkv` [C, D], rows [q (Hk dk) | k (Hk dk) | v (Hv dv)] <-> native qkv [D, C]
     with its channels grouped by key head, heads major (`params.group_channels` flattened), a permutation."""

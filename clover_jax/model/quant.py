@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import qwix
 
 from clover_jax.config import QUANTIZATIONS
@@ -44,14 +43,6 @@ QSTD = {"int8": 32.0, "fp8": 64.0}
 def is_quantized(w: Any) -> bool:
     """Whether `w` is a quantized weight (a QArray), of arrays or of specs."""
     return isinstance(w, QArray)
-
-
-def scheme_of(w: QArray) -> str:
-    """'int8' or 'fp8': the scheme of a quantized weight."""
-    for name, qt in QTYPES.items():
-        if np.dtype(w.qtype) == np.dtype(qt):
-            return name
-    raise ConfigError(f"unknown quantized storage type {w.qtype!r}")
 
 
 def check_scheme(scheme: str) -> str:
