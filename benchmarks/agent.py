@@ -1,5 +1,5 @@
 """An agent loop through `clover serve`: held-out questions of the toy tool task
-(`clover_jax.serving.toy_agent`: square, double, capital; one or two calls), each asked with the tools through
+(`examples/toy_agent`: square, double, capital; one or two calls), each asked with the tools through
 the `openai` client, every call executed and its result sent back, until the model answers in text.
 
     python benchmarks/agent.py --train-steps 400              # fine-tune clover-tiny on the task first
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: clover_jax, examples/
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +77,7 @@ def run_loop(label: str, client: Any, port: int, model: str, held: list, stream:
              ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from clover_jax.serving.toy_agent import run_agent
+    from examples.toy_agent import run_agent
 
     extra = {"diffusion": {"threshold": args.threshold}} if args.threshold > 0 else {}
     before, t0 = _passes(port), time.perf_counter()
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import clover_jax
     from clover_jax import shipped
-    from clover_jax.serving import toy_agent
     from clover_jax.tokenizer import load_tokenizer
+    from examples import toy_agent
 
     model_dir = args.model or str(shipped.MODEL_DIR)
     cfg, weights = clover_jax.load_model(model_dir)

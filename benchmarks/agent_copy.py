@@ -1,6 +1,6 @@
 """How many fine-tuning steps clover-tiny needs before it copies a question's number into a tool call.
 
-The agent task (`clover_jax.serving.toy_agent`) asks the model to write calls such as
+The agent task (`examples/toy_agent`) asks the model to write calls such as
 `<tool_call>{"name": "square", "arguments": {"x": 47}}</tool_call>` for "What is the square of 47?". The shipped
 clover-tiny has no copying ability at all (Tiny Shakespeare teaches none), and the argument sits about 40 tokens
 after the question's number, so the copy has to be learned from scratch. This control isolates that one skill:
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: clover_jax, examples/
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare-train.txt"
 
 
@@ -47,11 +48,11 @@ def main() -> int:
 
     import clover_jax
     from clover_jax import shipped
-    from clover_jax.serving import toy_agent
     from clover_jax.serving.chat import Message, call_text, plain_prompt
     from clover_jax.tokenizer import load_tokenizer
     from clover_jax.training import PairDataset, TrainConfig
     from clover_jax.training import train as run_training
+    from examples import toy_agent
 
     cfg, base = clover_jax.load_model(str(shipped.MODEL_DIR))
     tok = load_tokenizer(str(shipped.MODEL_DIR))

@@ -5,9 +5,10 @@
 
 The shipped `checkpoints/clover-tiny-tools` is this run's checkpoint of step 5,700 (about 3.5 h on two cores).
 
-Block-diffusion SFT (`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's
-training questions, with Orbax checkpoints in `--run` every `--score-every` steps: stop it at any time (Ctrl-C,
-a closed session) and the same command resumes from the latest one. At every checkpoint every turn of the held-out
+The toy task and its recipe are the repository's example `examples/toy_agent`. Block-diffusion SFT
+(`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's training questions,
+with Orbax checkpoints in `--run` every `--score-every` steps: stop it at any time (Ctrl-C, a closed session) and
+the same command resumes from the latest one. At every checkpoint every turn of the held-out
 questions (`toy_agent.turns`: each call, then the answer, the conversation before it given) is generated as
 `clover serve` renders it (greedy, one token a pass, in low-confidence order and in random order, the shipped
 model's own): a call turn must be exactly the expected call, an answer turn exactly the last tool's result.
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: clover_jax, examples/
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import clover_jax
     from clover_jax import shipped
-    from clover_jax.serving import toy_agent
     from clover_jax.tokenizer import load_tokenizer
+    from examples import toy_agent
 
     recipe = toy_agent.Recipe()
     last = args.steps or recipe.steps

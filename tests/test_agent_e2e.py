@@ -1,7 +1,7 @@
 """The agent loop end to end on real models: the real `clover serve` app (an `Engine` behind `make_app`, served on
 loopback in a thread by `serving.background`), driven by the real `openai` client with the toy task's tools
-(`clover_jax.serving.toy_agent`), every call executed and its result sent back, streamed and not; and the
-fine-tuning step of the recipe that teaches a model the task (`toy_agent.finetune`, run at length by
+(the repository's example `examples/toy_agent`), every call executed and its result sent back, streamed and not;
+and the fine-tuning step of the recipe that teaches a model the task (`toy_agent.finetune`, run at length by
 `scripts/train_tool_model.py`), run here from the shipped model.
 
 Two models: the shipped clover-tiny, which has never seen a tool (each question must end after one step with
@@ -11,6 +11,7 @@ on two cores, too long to run here), which must answer most held-out questions t
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,9 +19,11 @@ import pytest
 
 import clover_jax
 from clover_jax import shipped
-from clover_jax.serving import toy_agent
 from clover_jax.serving.tool_parse import parse_calls
 from clover_jax.tokenizer import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the toy task is in examples/
+from examples import toy_agent
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
