@@ -224,8 +224,7 @@ def block_pass(args: argparse.Namespace, cfg: Any, weights: Any, batch: int) -> 
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.model import masks
-    from clover_jax.sampler import ModelForward
+    from clover_jax.model import ModelForward, masks
 
     fwd = ModelForward(cfg, args.dispatch)
     p, bl = args.cache_len, args.block

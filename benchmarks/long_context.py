@@ -15,7 +15,7 @@ the three Gated DeltaNet layers with their MoE and the attention layer's K/V (no
 
 Table 2, at `--compare-size` (16K): the same sampler runs for three forms of the Gated DeltaNet layers: the
 block-diffusion delta rule chunked (`delta_rule_blocks_chunked`, the default above
-`gated_deltanet.BLOCKS_SCAN_MAX` = 256 columns), forced onto the position-by-position scan
+`delta_rule.BLOCKS_SCAN_MAX` = 256 columns), forced onto the position-by-position scan
 (`delta_rule_blocks`), and the same weights as the plain causal Gated DeltaNet (bd_gdn="none",
 `delta_rule_chunked`); then, in one process with the three taken in turns (the machine is shared), one
 Gated DeltaNet layer's mixer over the whole prompt and its delta rule alone (best of `--runs`).
@@ -59,10 +59,10 @@ def _model(mode: str, length: int):
     """The shipped clover-tiny as `mode` runs it, max_seq_len raised to `length`. The scan mode sets
     BLOCKS_SCAN_MAX, which functions traced afterwards read."""
     from clover_jax import load_model
-    from clover_jax.model import gated_deltanet
+    from clover_jax.model import delta_rule
     from clover_jax.shipped import MODEL_DIR
 
-    gated_deltanet.BLOCKS_SCAN_MAX = 1 << 40 if mode == "scan" else 256
+    delta_rule.BLOCKS_SCAN_MAX = 1 << 40 if mode == "scan" else 256
     cfg, weights = load_model(str(MODEL_DIR))
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, length))
     return (cfg.replace(bd_gdn="none") if mode == "plain" else cfg), weights
@@ -75,8 +75,7 @@ def windowed_forward(cfg, window: int):
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.model import masks, transformer
-    from clover_jax.sampler import ModelForward
+    from clover_jax.model import ModelForward, masks, transformer
 
     @dataclass(frozen=True)
     class WindowedForward(ModelForward):
@@ -140,6 +139,7 @@ def run_compare(size: int, args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from clover_jax.model import delta_rule as dr
     from clover_jax.model import gated_deltanet as gdn
     from clover_jax.model import masks
 
@@ -153,13 +153,13 @@ def run_compare(size: int, args: argparse.Namespace) -> dict:
         mixer = jax.jit(lambda x, w, cfg=cfg, valid=valid, blocks=blocks: gdn.mixer(x, w, cfg, valid, None, blocks))
         keys = jax.random.split(jax.random.key(1), 5)
         hk, dk, (hv, _, dv) = cfg.linear_num_key_heads, cfg.linear_key_head_dim, gdn.initial_shape(cfg)
-        st = gdn.Stream(gdn.l2_normalize(jax.random.normal(keys[0], (1, size, hk, dk))),
-                        gdn.l2_normalize(jax.random.normal(keys[1], (1, size, hk, dk))),
-                        jax.random.normal(keys[2], (1, size, hv, dv)),
-                        -jax.random.uniform(keys[3], (1, size, hv), minval=0.01, maxval=0.5),
-                        jax.random.uniform(keys[4], (1, size, hv), minval=0.05, maxval=0.95))
-        rule = (jax.jit(lambda s: gdn.delta_rule_chunked(*s)) if mode == "plain" else
-                jax.jit(lambda s, blocks=blocks, valid=valid, c=cfg: gdn._blocks_rule(size, c)(
+        st = dr.Stream(dr.l2_normalize(jax.random.normal(keys[0], (1, size, hk, dk))),
+                       dr.l2_normalize(jax.random.normal(keys[1], (1, size, hk, dk))),
+                       jax.random.normal(keys[2], (1, size, hv, dv)),
+                       -jax.random.uniform(keys[3], (1, size, hv), minval=0.01, maxval=0.5),
+                       jax.random.uniform(keys[4], (1, size, hv), minval=0.05, maxval=0.95))
+        rule = (jax.jit(lambda s: dr.delta_rule_chunked(*s)) if mode == "plain" else
+                jax.jit(lambda s, blocks=blocks, valid=valid, c=cfg: dr.blocks_rule(size, c.block_size)(
                     s, blocks, valid, history=True)))
         for f, a in ((mixer, (x, one)), (rule, (st,))):
             jax.block_until_ready(f(*a))  # compile

@@ -115,9 +115,9 @@ def time_block_pass(cfg, weights, b: int, s: int, bl: int, dispatch: str | None,
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.model import transformer
+    from clover_jax.model import init_cache, transformer
 
-    cache = transformer.init_cache(cfg, b, s)
+    cache = init_cache(cfg, b, s)
     ctx = jax.random.randint(jax.random.key(b), (b, s), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     prefill = jax.jit(lambda w, c: transformer.forward(w, cfg, ctx, pos, jnp.ones((b, s, s), bool), c, 0,

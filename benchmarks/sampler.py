@@ -53,8 +53,8 @@ def context_row(cfg, weights, p: int, g: int, bl: int, runs: int) -> tuple[float
     import jax.numpy as jnp
     import numpy as np
 
-    from clover_jax.model import masks
-    from clover_jax.sampler import ModelForward, SamplerConfig, generate
+    from clover_jax.model import ModelForward, masks
+    from clover_jax.sampler import SamplerConfig, generate
 
     prompt = np.random.default_rng(p).integers(4, cfg.vocab_size, p).tolist()
     sc = SamplerConfig(gen_length=g, block_length=bl, steps=g, cache="prefix", eos_stop=False)
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         return context_figures(args)
     import jax
 
-    from clover_jax.commands.generate import default_model
     from clover_jax.config import get_config
+    from clover_jax.loading import default_model
     from clover_jax.model import params
     from clover_jax.sampler import SamplerConfig, generate
 

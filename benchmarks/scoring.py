@@ -46,11 +46,13 @@ def step_ms(b: int, block: int, vocab: int, steps: int, setting: dict) -> float:
     import jax
     import jax.numpy as jnp
 
-    from clover_jax.sampler.program import make_knobs
-    from clover_jax.sampler.scoring import remasking_index, sample_and_score, select_commits
+    from clover_jax.config import get_config
+    from clover_jax.sampler import SamplerConfig
+    from clover_jax.sampler import knobs as knobs_of
+    from clover_jax.sampler.scoring import sample_and_score, select_commits
 
-    opts = dict(setting)
-    knobs = make_knobs(steps=block, remasking=remasking_index(opts.pop("remasking", "low_confidence")), **opts)
+    sc = SamplerConfig(gen_length=block, block_length=block, **setting)
+    knobs = knobs_of(sc, get_config("clover-tiny"))  # the family's confidence rule: the drawn token's logits
     logits = jax.random.normal(jax.random.key(0), (b, block, vocab)) * 3
     masked = jnp.ones((b, block), bool)
 

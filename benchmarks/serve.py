@@ -183,11 +183,11 @@ def metrics(port: int) -> dict[str, float]:
 
 def engine_runs(args: argparse.Namespace) -> list[dict]:
     """The same closed-loop clients calling `Engine.submit` in this process: no HTTP, no JSON, no SSE."""
-    from clover_jax.commands.generate import default_model, load
+    from clover_jax.loading import default_model, open_model
     from clover_jax.serving.engine import Engine
     from clover_jax.serving.requests import Request
 
-    cfg, weights, tok, _ = load(args.model or default_model(), None)
+    cfg, weights, tok, _ = open_model(args.model or default_model())
     eng = Engine(weights, cfg, max_prompt=32, max_tokens=args.max_tokens, batch_sizes=tuple(args.batch_sizes))
     eng.start()
     prompts = [tuple(tok.encode(p)) for p in PROMPTS]
@@ -231,11 +231,11 @@ def pass_scaling(args: argparse.Namespace, batches: tuple[int, ...] = (1, 4, 16)
     import jax.numpy as jnp
     from pass_floor import dot_flops_per_s
 
-    from clover_jax.commands.generate import default_model, load
-    from clover_jax.model import masks, transformer
+    from clover_jax.loading import default_model, open_model
+    from clover_jax.model import init_cache, masks, transformer
     from clover_jax.plan.arithmetic import PassShape, analytic_flops
 
-    cfg, weights, _, _ = load(args.model or default_model(), None)
+    cfg, weights, _, _ = open_model(args.model or default_model())
     bl = 32
     s = 32 + -(-args.max_tokens // bl) * bl
     base = None
@@ -255,7 +255,7 @@ def pass_scaling(args: argparse.Namespace, batches: tuple[int, ...] = (1, 4, 16)
 
         loop = jax.jit(lambda w, t, c, one=one: jax.lax.fori_loop(
             0, reps, lambda i, acc: acc + one(w, t + (acc > 1e30).astype(jnp.int32), c), 0.0))
-        args_ = (weights, jnp.full((b, bl), 5, jnp.int32), transformer.init_cache(cfg, b, s))
+        args_ = (weights, jnp.full((b, bl), 5, jnp.int32), init_cache(cfg, b, s))
         loop(*args_).block_until_ready()
         best = float("inf")
         for _ in range(3):
@@ -273,10 +273,10 @@ def pass_scaling(args: argparse.Namespace, batches: tuple[int, ...] = (1, 4, 16)
 
 
 def generate_baseline(args: argparse.Namespace, n: int) -> dict:
-    from clover_jax.commands.generate import default_model, load
+    from clover_jax.loading import default_model, open_model
     from clover_jax.sampler import SamplerConfig, generate
 
-    cfg, weights, tok, _ = load(args.model or default_model(), None)
+    cfg, weights, tok, _ = open_model(args.model or default_model())
     gen = -(-args.max_tokens // 32) * 32
     sc = SamplerConfig(gen_length=gen, block_length=32, cache="prefix")
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]

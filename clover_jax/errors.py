@@ -30,7 +30,13 @@ class ConversionError(CloverError):
 
 
 class SamplerError(CloverError):
-    """A sampling request that cannot run; raised before anything is compiled."""
+    """A sampling request that cannot run; raised before anything is compiled. `setting`: the sampler setting at
+    fault (a `SamplerConfig` field) and `param`: that setting as the user wrote it (a flag, a request field), when
+    one setting is."""
+
+    def __init__(self, message: str, *, setting: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.setting, self.param = setting, param
 
 
 class PlanError(CloverError):

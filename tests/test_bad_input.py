@@ -177,7 +177,7 @@ def test_bad_generation_config_and_corrupt_tokenizer(native, tmp_path, capsys):
 def test_debug_shows_the_traceback(tmp_path, capsys):
     assert main(["--debug", "generate", "x", "--model", "test-clover", "--steps", "0"]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("clover generate: error: steps (0)")
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("clover generate: error: --steps must be")
 
 
 # ---- warnings where the result would surprise ---------------------------------------------------------

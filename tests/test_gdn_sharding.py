@@ -16,7 +16,7 @@ from clover_jax.checkpoint import format as ckpt_format
 from clover_jax.config import get_config
 from clover_jax.convert.quantize import DequantizedReader
 from clover_jax.mesh.rules import DEFAULT_RULES, MeshRules
-from clover_jax.model import params, transformer
+from clover_jax.model import init_cache, params, transformer
 from clover_jax.sampler import SamplerConfig, generate
 from clover_jax.sampler.generate import PROGRAM_JIT, prepare
 from clover_jax.training import losses
@@ -103,7 +103,7 @@ def test_sharded_forward_and_cache_equal_one_device(mesh, weights):
         positions = jnp.broadcast_to(jnp.arange(24), (4, 24))
         mask = jnp.broadcast_to(positions[:, :, None] // CFG.block_size >= positions[:, None, :] // CFG.block_size,
                                 (4, 24, 24))
-        cache = transformer.init_cache(CFG, 4, 24)
+        cache = init_cache(CFG, 4, 24)
         first = transformer.forward(w, CFG, toks[:, :16], positions[:, :16], mask[:, :16], cache, 0, mesh=on,
                                     dispatch="ep_gather" if on else None)
         second = transformer.forward(w, CFG, toks[:, 16:24], positions[:, 16:24], mask[:, 16:24], first.cache, 16,

@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from clover_jax import cli
+from clover_jax import cli, loading
 from clover_jax.commands import generate as gen_cmd
 from clover_jax.commands import jobs
 from clover_jax.errors import UsageError
+from clover_jax.sampler import settings as sampler_settings
 
 FLAGS = ["--model", "test-clover", "--gen-length", "16", "--block-length", "8"]
 
@@ -41,9 +42,13 @@ def test_python_dash_m_runs_the_clover_command():
 
 def test_bad_input_is_one_line_before_loading(capsys, tmp_path):
     assert cli.main(["generate", "x", *FLAGS, "--gen-length", "12"]) == 2
-    assert "multiple of block_length" in capsys.readouterr().err
+    assert "--gen-length (12) must be a multiple of --block-length (8)" in capsys.readouterr().err  # flags named
     assert cli.main(["generate", "x", *FLAGS, "--threshold", "2"]) == 2
+    assert "--threshold must be a number in (0, 1] (or 0 = off), got 2.0" in capsys.readouterr().err
     assert cli.main(["generate", "x", *FLAGS, "--remasking", "best"]) == 2
+    assert "--remasking must be one of low_confidence, random, margin, entropy" in capsys.readouterr().err
+    assert cli.main(["generate", "x", *FLAGS, "--steps-per-block", "9"]) == 2
+    assert "--steps-per-block must be an integer in [1, 8], got 9" in capsys.readouterr().err
     assert cli.main(["generate", "x", "--model", "no-such-model"]) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
@@ -164,14 +169,15 @@ def test_generation_config_sets_defaults_and_flags_win(tmp_path):
     """A checkpoint's generation_config.json changes the sampler defaults; an explicit flag beats it."""
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "remasking": "margin", "max_new_tokens": 64, "top_k": 40, "unrelated": 1}))
-    defaults = gen_cmd.model_sampler_defaults(str(tmp_path))
+    defaults = loading.sampler_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.7, "remasking": "margin", "gen_length": 64, "top_k": 40}
     parser = cli.build_parser()
-    sc = gen_cmd.sampler_config(parser.parse_args(["generate", "x"]), defaults)
+    sc = sampler_settings.from_flags(parser.parse_args(["generate", "x"]), defaults)
     assert (sc.temperature, sc.remasking, sc.gen_length, sc.top_k, sc.block_length) == (0.7, "margin", 64, 40, 32)
-    sc = gen_cmd.sampler_config(parser.parse_args(["generate", "x", "--temperature", "0", "--top-k", "0"]), defaults)
+    flags = parser.parse_args(["generate", "x", "--temperature", "0", "--top-k", "0"])
+    sc = sampler_settings.from_flags(flags, defaults)
     assert (sc.temperature, sc.top_k, sc.remasking) == (0.0, 0, "margin")
-    assert gen_cmd.sampler_config(parser.parse_args(["generate", "x"]), {}).temperature == 0.0
+    assert sampler_settings.from_flags(parser.parse_args(["generate", "x"]), {}).temperature == 0.0
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(UsageError, match=r"generation_config\.json"):
-        gen_cmd.model_sampler_defaults(str(tmp_path))
+        loading.sampler_defaults(str(tmp_path))

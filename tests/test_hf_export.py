@@ -18,9 +18,9 @@ torch = pytest.importorskip("torch", reason="loading the export with transformer
 transformers = pytest.importorskip("transformers", reason="loading the export needs transformers")
 
 from clover_jax import checkpoint, model  # noqa: E402
-from clover_jax.commands.generate import model_sampler_defaults  # noqa: E402
 from clover_jax.config import get_config  # noqa: E402
 from clover_jax.convert import convert  # noqa: E402
+from clover_jax.loading import sampler_defaults  # noqa: E402
 from clover_jax.tokenizer import load_tokenizer, train_sentencepiece  # noqa: E402
 from tests.test_convert import noisy_weights as weights  # noqa: E402
 from tests.test_tokenizer import corpus  # noqa: E402
@@ -72,7 +72,7 @@ def test_generation_config_loads_in_hf_and_back(exported):
     assert (gen.eos_token_id, gen.pad_token_id, gen.max_new_tokens) == (cfg.eos_token_id, cfg.pad_token_id, 64)
     assert (gen.mask_token_id, gen.steps, gen.block_length, gen.do_sample) == (cfg.mask_token_id, 32, 16, False)
     # `clover generate` on the export reads the same sampler defaults as on the native checkpoint
-    assert model_sampler_defaults(hf) == model_sampler_defaults(str(hf).replace("hf", "native")) != {}
+    assert sampler_defaults(hf) == sampler_defaults(str(hf).replace("hf", "native")) != {}
 
 
 def test_tokenizer_loads_in_hf_and_encodes_as_ours(exported):
@@ -151,6 +151,6 @@ def test_shipped_model_exports_loadable_tokenizer(tmp_path):
         assert tok.encode(text, add_special_tokens=False) == ours.encode(text), text
     assert tok.mask_token_id == cfg.mask_token_id
     gen = transformers.GenerationConfig.from_pretrained(hf)
-    assert gen.max_new_tokens == model_sampler_defaults(src)["gen_length"] and gen.eos_token_id == cfg.eos_token_id
+    assert gen.max_new_tokens == sampler_defaults(src)["gen_length"] and gen.eos_token_id == cfg.eos_token_id
     readme = (tmp_path / "hf" / "README.md").read_text()
     assert readme.startswith("---\nlibrary_name: clover-jax\n") and "\n# clover-tiny\n" in readme

@@ -253,16 +253,22 @@ def test_changing_dynamic_settings_never_recompiles(random_table):
     (dict(), [[1, 2, V]], "outside the vocabulary"),
     (dict(), [[1, -1]], "outside the vocabulary"),
     (dict(), [[]], "empty"),
-    (dict(remasking="lowest"), PROMPTS, "unknown remasking"),
-    (dict(cache="full"), PROMPTS, "unknown cache"),
+    (dict(remasking="lowest"), PROMPTS,
+     "remasking must be one of low_confidence, random, margin, entropy, got 'lowest'"),
+    (dict(cache="full"), PROMPTS, "cache must be one of auto, none, prefix, dual, got 'full'"),
     (dict(cache="prefix"), PROMPTS, "init_cache"),  # a scripted model has no cache
-    (dict(threshold=1.5), PROMPTS, "threshold"),
-    (dict(threshold=-0.1), PROMPTS, "threshold"),
-    (dict(temperature=-1.0), PROMPTS, "temperature"),
-    (dict(top_p=0.0), PROMPTS, "top_p"),
-    (dict(top_k=-2), PROMPTS, "top_k"),
-    (dict(entropy_bound=-1.0), PROMPTS, "entropy_bound"),
-    (dict(cfg_scale=-1.0), PROMPTS, "cfg_scale"),
+    (dict(threshold=1.5), PROMPTS, r"threshold must be a number in \(0, 1\] \(or 0 = off\), got 1.5"),
+    (dict(threshold=-0.1), PROMPTS, "threshold must be"),
+    (dict(temperature=-1.0), PROMPTS, "temperature must be a number >= 0, got -1.0"),
+    (dict(top_p=0.0), PROMPTS, r"top_p must be a number in \(0, 1\], got 0.0"),
+    (dict(top_k=-2), PROMPTS, r"top_k must be an integer in \[0, 2147483647\], got -2"),
+    (dict(top_k=2**31), PROMPTS, "top_k must be"),  # an int32 on the device
+    (dict(entropy_bound=-1.0), PROMPTS, "entropy_bound must be a number >= 0"),
+    (dict(cfg_scale=float("nan")), PROMPTS, "cfg_scale must be"),
+    (dict(steps=8, steps_per_block=2), PROMPTS, "give steps or steps_per_block, not both"),
+    (dict(steps=None, steps_per_block=9), PROMPTS, r"steps_per_block must be an integer in \[1, 8\], got 9"),
+    (dict(seed=2**64), PROMPTS, "seed must be"),
+    (dict(eos_stop="yes"), PROMPTS, "eos_stop must be true or false"),
 ])
 def test_bad_input_fails_before_compiling(change, prompts, msg):
     before = compile_count()

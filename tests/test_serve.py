@@ -58,18 +58,19 @@ class Collector:
         return self.events[key][-1].finish_reason
 
 
-def alone_run(weights, cfg, prompt: list[int], req: Request):
+def request_of(prompt: tuple[int, ...], max_tokens: int, **settings) -> Request:
+    """A serving request with these sampler settings (`steps_per_block` counts per block)."""
+    return Request(prompt, max_tokens, SamplerConfig(**settings))
+
+
+def alone_run(weights, cfg, prompt: list[int], r: Request):
     """The same request through `generate` on its own (block-aligned length)."""
-    n_blocks = -(-req.max_tokens // L)
-    steps = (req.steps or L) * n_blocks
-    sc = SamplerConfig(gen_length=n_blocks * L, block_length=L, steps=steps, threshold=req.threshold,
-                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, cache="prefix")
-    return generate(weights, cfg, [prompt], sc)
+    return generate(weights, cfg, [prompt], r.row_settings(L).replace(cache="prefix"))
 
 
-def alone(weights, cfg, prompt: list[int], req: Request) -> list[int]:
+def alone(weights, cfg, prompt: list[int], r: Request) -> list[int]:
     """The tokens `generate` gives the request on its own, cut at max_tokens."""
-    return alone_run(weights, cfg, prompt, req).tokens[0][:req.max_tokens]
+    return alone_run(weights, cfg, prompt, r).tokens[0][:r.max_tokens]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_mixed_requests_equal_each_run_alone(shipped_engine):
     texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou", "KING", "First Citizen:\nBefore we proceed",
              "MENENIUS:\nWhat work's, my countrymen,", "Second Servant:"]
     settings = zip([40, 64, 7, 33, 64, 20], [0, 0, 0.5, 0, 0.3, 0], [None, 16, None, 8, None, 4], strict=True)
-    reqs = [Request(tuple(tok.encode(t)), m, threshold=th, steps=st)
+    reqs = [request_of(tuple(tok.encode(t)), m, threshold=th, steps_per_block=st)
             for t, (m, th, st) in zip(texts, settings, strict=True)]
     compiles: list[str] = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -131,10 +132,12 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
     # filters): a row's tokens must not depend on which one its batch mates made it run.
     eng, tok, _ = shipped_engine
     # eos_stop=False: every request runs all its blocks, so the batches below are known exactly
-    req = Request(tuple(tok.encode("ROMEO:")), 40, temperature=0.9, seed=1234, eos_stop=False)
-    nucleus = Request(tuple(tok.encode("KING:")), 40, temperature=0.9, top_p=0.8, top_k=40, seed=5, eos_stop=False)
+    req = request_of(tuple(tok.encode("ROMEO:")), 40, temperature=0.9, seed=1234, eos_stop=False)
+    nucleus = request_of(tuple(tok.encode("KING:")), 40, temperature=0.9, top_p=0.8, top_k=40, seed=5,
+                         eos_stop=False)
     col = Collector()
-    for i, r in enumerate([req, nucleus, dataclasses.replace(nucleus, top_p=1.0, top_k=0)]):
+    plain = dataclasses.replace(nucleus, sampling=nucleus.sampling.replace(top_p=1.0, top_k=0))
+    for i, r in enumerate([req, nucleus, plain]):
         eng.submit(r, col.sink(i if i < 2 else 12))  # each alone: the plain, filtered, plain program
         col.wait([i if i < 2 else 12])
     assert col.tokens(1) != col.tokens(12), "top-p / top-k changed nothing"
@@ -142,8 +145,8 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
     # A greedy request runs alone for one block; the three submitted meanwhile join it together at the
     # block boundary, so req and the greedy one run inside the filtered program nucleus needs.
     before = eng.stats()
-    blocker = Request(tuple(tok.encode("KING RICHARD:")), 64, eos_stop=False)
-    greedy = Request(tuple(tok.encode("QUEEN:")), 64, eos_stop=False)
+    blocker = request_of(tuple(tok.encode("KING RICHARD:")), 64, eos_stop=False)
+    greedy = request_of(tuple(tok.encode("QUEEN:")), 64, eos_stop=False)
     eng.submit(blocker, col.sink(20))
     deadline = time.monotonic() + 120
     while not eng.stats().active_rows and time.monotonic() < deadline:
@@ -157,12 +160,12 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
     assert col.tokens(11) == col.tokens(1), "top-p / top-k sampling gave other text next to other requests"
     assert col.tokens(2) == alone(eng.weights, eng.cfg, list(greedy.prompt), greedy)
 
-    others = [Request(tuple(tok.encode(t)), 64, temperature=t2, seed=s) for t, t2, s in
+    others = [request_of(tuple(tok.encode(t)), 64, temperature=t2, seed=s) for t, t2, s in
               [("KING", 0.0, 0), ("JULIET:", 1.2, 7), ("First Citizen:", 0.5, 99)]]
     for i, r in enumerate(others, start=3):
         eng.submit(r, col.sink(i))
     eng.submit(req, col.sink(13))
-    eng.submit(dataclasses.replace(req, seed=4321), col.sink(10))
+    eng.submit(dataclasses.replace(req, sampling=req.sampling.replace(seed=4321)), col.sink(10))
     col.wait([3, 4, 5, 13, 10])
     assert col.tokens(13) == col.tokens(0), "the same seed gave other text next to other requests"
     assert col.tokens(10) != col.tokens(0), "another seed gave the same text"
@@ -171,8 +174,8 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):
 def test_cancel_frees_the_row_and_spares_the_others(shipped_engine):
     eng, tok, _ = shipped_engine
     col = Collector()
-    slow = eng.submit(Request(tuple(tok.encode("KING RICHARD:")), 64, steps=32), col.sink(0))
-    keep = Request(tuple(tok.encode("QUEEN:")), 64)
+    slow = eng.submit(request_of(tuple(tok.encode("KING RICHARD:")), 64, steps_per_block=32), col.sink(0))
+    keep = request_of(tuple(tok.encode("QUEEN:")), 64)
     eng.submit(keep, col.sink(1))
     deadline = time.monotonic() + 120
     while not eng.stats().active_rows and time.monotonic() < deadline:  # admitted: its first block runs
@@ -192,16 +195,16 @@ def test_queued_cancel_and_a_raising_callback(shipped_engine):
     col = Collector()
     prompt = tuple(tok.encode("ROMEO:"))
     for i in range(4):  # fill the 4 rows
-        eng.submit(Request(prompt, 64, steps=32, seed=i, temperature=0.5), col.sink(i))
-    waiting = eng.submit(Request(prompt, 64), col.sink(4))
+        eng.submit(request_of(prompt, 64, steps_per_block=32, seed=i, temperature=0.5), col.sink(i))
+    waiting = eng.submit(request_of(prompt, 64), col.sink(4))
     eng.cancel(waiting)
     assert col.reason(4) == "cancelled" and col.tokens(4) == []
 
     def boom(ev: Event) -> None:
         raise RuntimeError("a client bug")
 
-    eng.submit(Request(prompt, 40), boom)
-    good = Request(tuple(tok.encode("KING:")), 40)
+    eng.submit(request_of(prompt, 40), boom)
+    good = request_of(tuple(tok.encode("KING:")), 40)
     eng.submit(good, col.sink(5))
     col.wait([0, 1, 2, 3, 5])
     assert all(col.reason(i) in ("length", "stop") for i in range(4))
@@ -217,13 +220,13 @@ def test_bad_requests_are_refused_before_queueing(shipped_engine):
     with pytest.raises(BadRequest, match="at most 32"):
         eng.submit(Request(tuple(range(5, 45)), 8), lambda ev: None)
     with pytest.raises(BadRequest, match="max_tokens"):
-        eng.submit(Request((5, 6), 65), lambda ev: None)
+        eng.submit(request_of((5, 6), 65), lambda ev: None)
     with pytest.raises(BadRequest, match="temperature"):
-        eng.submit(Request((5, 6), 8, temperature=-1.0), lambda ev: None)
+        eng.submit(request_of((5, 6), 8, temperature=-1.0), lambda ev: None)
     with pytest.raises(BadRequest, match="outside"):
-        eng.submit(Request((5, 99999), 8), lambda ev: None)
+        eng.submit(request_of((5, 99999), 8), lambda ev: None)
     with pytest.raises(BadRequest, match="steps"):
-        eng.submit(Request((5, 6), 8, steps=33), lambda ev: None)
+        eng.submit(request_of((5, 6), 8, steps_per_block=33), lambda ev: None)
 
 
 def test_engine_refuses_what_it_cannot_run():
@@ -244,17 +247,17 @@ def test_queue_full_and_draining():
     eng = Engine(weights, cfg, max_prompt=32, max_tokens=32, batch_sizes=(2,), queue_size=2)
     eng.warm_up()
     col = Collector()
-    reqs = [Request((5 + i, 6, 7), 32) for i in range(2)]
+    reqs = [request_of((5 + i, 6, 7), 32) for i in range(2)]
     ids = [eng.submit(r, col.sink(i)) for i, r in enumerate(reqs)]  # not started: both wait in the queue
     with pytest.raises(QueueFull):
-        eng.submit(Request((5,), 8), lambda ev: None)
+        eng.submit(request_of((5,), 8), lambda ev: None)
     eng.start()
     eng.drain(timeout=120)
     assert len(ids) == 2 and all(col.reason(i) in ("length", "stop") for i in range(2))
     for i, r in enumerate(reqs):
         assert col.tokens(i) == alone(weights, cfg, list(r.prompt), r)
     with pytest.raises(Draining):
-        eng.submit(Request((5,), 8), lambda ev: None)
+        eng.submit(request_of((5,), 8), lambda ev: None)
 
 
 # ---- the HTTP server, through the real openai client ---------------------------------------------------
@@ -275,7 +278,7 @@ def server(shipped_engine):
 
 
 def _alone_text(eng, tok, prompt: str, max_tokens: int, **kw) -> str:
-    return tok.decode(alone(eng.weights, eng.cfg, tok.encode(prompt), Request((0,), max_tokens, **kw)))
+    return tok.decode(alone(eng.weights, eng.cfg, tok.encode(prompt), request_of((0,), max_tokens, **kw)))
 
 
 def test_completion_and_chat(server):
@@ -432,7 +435,7 @@ def test_engine_on_a_mesh_gives_the_single_device_tokens(devices):
     eng = Engine(sharded, cfg, max_prompt=32, max_tokens=64, batch_sizes=(2,), mesh=mesh)
     eng.start()
     col = Collector()
-    reqs = [Request((5, 9, 17, 33), 64, steps=16), Request((7, 11), 40, threshold=0.5)]
+    reqs = [request_of((5, 9, 17, 33), 64, steps_per_block=16), request_of((7, 11), 40, threshold=0.5)]
     for i, r in enumerate(reqs):
         eng.submit(r, col.sink(i))
     col.wait([0, 1])

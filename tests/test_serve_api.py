@@ -1,6 +1,7 @@
-"""The HTTP layer of `clover serve` (clover_jax.serving.api, .metrics, .chat, commands/serve) against a
-FAKE engine: a thread that implements the Engine contract and echoes each prompt's tokens back, block
-by block, so every response is known in advance. The real engine is tested in test_serve.py."""
+"""The HTTP layer of `clover serve` (clover_jax.serving.api, .http_request, .choices, .responses, .metrics,
+.chat, commands/serve) against a FAKE engine: a thread that implements the Engine contract and echoes each
+prompt's tokens back, block by block, so every response is known in advance. The real engine is tested in
+test_serve.py."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ from starlette.testclient import TestClient
 
 from clover_jax import cli
 from clover_jax.commands import serve as serve_cmd
-from clover_jax.serving.api import find_stop, make_app, set_draining
+from clover_jax.sampler import SamplerConfig
+from clover_jax.serving.api import make_app, set_draining
 from clover_jax.serving.chat import plain_prompt
+from clover_jax.serving.choices import find_stop
 from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, Request
 from clover_jax.tokenizer import ByteTokenizer
 
@@ -122,7 +125,7 @@ class FakeEngine:
                 raise self.fail
             if self._draining:
                 raise Draining("the engine is draining")
-            req.check(self.block_length, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
+            req.check(self.block_length, self.cache, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(f"{len(self._queue)} requests are waiting already")
             rid = 100 + len(self.submitted)
@@ -168,7 +171,7 @@ class FakeEngine:
             time.sleep(self.delay)
 
     def _block(self, rows: list[_Row]) -> None:
-        steps = max(r.req.steps or self.block_length for r in rows)
+        steps = max(r.req.sampling.steps_per_block or self.block_length for r in rows)
         events = [(r, self._step(r)) for r in rows]
         with self._cond:
             self._n["blocks"] += 1
@@ -176,7 +179,7 @@ class FakeEngine:
             self._n["passes"] += steps
             for r, ev in events:
                 self._n["tokens"] += len(ev.tokens)
-                self._n["row_passes"] += r.req.steps or self.block_length
+                self._n["row_passes"] += r.req.sampling.steps_per_block or self.block_length
                 if ev.finish_reason is not None:
                     del self._rows[r.rid]
                     self.finished[r.rid] = ev.finish_reason
@@ -195,12 +198,12 @@ class FakeEngine:
         out, reason = [], None
         while len(out) < self.block_length and r.made < r.req.max_tokens:
             t = r.req.prompt[r.made % len(r.req.prompt)]
-            if r.req.eos_stop and t == self.cfg.eos_token_id:
+            if r.req.sampling.eos_stop and t == self.cfg.eos_token_id:
                 reason = "stop"
                 break
             out.append(t)
             r.made += 1
-        r.passes += r.req.steps or self.block_length
+        r.passes += r.req.sampling.steps_per_block or self.block_length
         if reason is None and r.made >= r.req.max_tokens:
             reason = "length"
         return Event(tuple(out), reason, r.passes)
@@ -297,7 +300,7 @@ def test_completion_shape_and_usage(client, engine):
     assert body["choices"] == [{"index": 0, "text": "abcdefghab", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
     req = engine.submitted[0]
-    assert req.prompt == tuple(TOK.encode("abcdefgh")) and req.max_tokens == 10 and req.temperature == 0.0
+    assert req.prompt == tuple(TOK.encode("abcdefgh")) and req.max_tokens == 10 and req.sampling.temperature == 0.0
 
 
 def test_completion_defaults_and_ignored_extras(client, engine):
@@ -330,8 +333,9 @@ def test_diffusion_extension_reaches_the_request(client, engine):
                  diffusion={"steps": 2, "block_length": 4, "threshold": 0.9, "remasking": "margin",
                             "cache": "prefix", "top_k": 5})
     assert r.status_code == 200
-    assert engine.submitted[0] == Request(prompt=tuple(TOK.encode("abcd")), max_tokens=4, temperature=0.5,
-                                          top_p=0.9, top_k=5, threshold=0.9, steps=2, remasking="margin", seed=3)
+    assert engine.submitted[0] == Request(prompt=tuple(TOK.encode("abcd")), max_tokens=4, sampling=SamplerConfig(
+        temperature=0.5, top_p=0.9, top_k=5, threshold=0.9, steps_per_block=2, remasking="margin", seed=3,
+        block_length=4, cache="prefix"))
     assert complete(client, prompt="abcd", max_tokens=4, diffusion={"cache": "auto"}).status_code == 200
 
 
@@ -339,12 +343,12 @@ def test_n_choices_and_seeds(client, engine):
     body = complete(client, prompt="abcd", max_tokens=6, n=3, seed=5, temperature=0.8).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["text"] == "abcdab" for c in body["choices"])
-    assert [q.seed for q in engine.submitted] == [5, 6, 7]
+    assert [q.sampling.seed for q in engine.submitted] == [5, 6, 7]
     assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] == 4
     complete(client, prompt="abcd", max_tokens=4, n=2)  # greedy without a seed: seed 0 for all
-    assert [q.seed for q in engine.submitted[3:]] == [0, 0]
+    assert [q.sampling.seed for q in engine.submitted[3:]] == [0, 0]
     complete(client, prompt="abcd", max_tokens=4, n=4, temperature=1.0)  # sampled without a seed: random
-    seeds = [q.seed for q in engine.submitted[5:]]
+    seeds = [q.sampling.seed for q in engine.submitted[5:]]
     assert len(set(seeds)) > 1 and all(0 <= s < 2**31 for s in seeds)
 
 
@@ -659,19 +663,19 @@ def test_engine_kwargs():
 def test_model_defaults_fill_what_a_request_leaves_out():
     """generation_config.json's settings (the shipped model's: temperature 0.9, random remasking, 128
     tokens) apply to fields a request omits; a field the request gives wins."""
-    from clover_jax.serving.api import parse_job
+    from clover_jax.serving.http_request import parse_job, request_defaults
 
-    defaults = serve_cmd.request_defaults({"temperature": 0.9, "remasking": "random", "gen_length": 128,
+    defaults = request_defaults({"temperature": 0.9, "remasking": "random", "gen_length": 128,
                                            "block_length": 32, "steps": None, "seed": 3})
     assert defaults == {"temperature": 0.9, "remasking": "random", "max_tokens": 128}
     eng = FakeEngine()
     eng.max_tokens = 64
     req = parse_job({"prompt": "ab"}, eng, (5, 6), False, defaults).requests[0]
-    assert (req.temperature, req.remasking, req.max_tokens) == (0.9, "random", 64)  # capped at the server's limit
+    assert (req.sampling.temperature, req.sampling.remasking, req.max_tokens) == (0.9, "random", 64)  # the limit
     req = parse_job({"prompt": "ab", "temperature": 0, "max_tokens": 8, "diffusion": {"remasking": "margin"}},
                     eng, (5, 6), False, defaults).requests[0]
-    assert (req.temperature, req.remasking, req.max_tokens) == (0, "margin", 8)
-    assert parse_job({"prompt": "ab"}, eng, (5, 6), False).requests[0].temperature == 0.0
+    assert (req.sampling.temperature, req.sampling.remasking, req.max_tokens) == (0, "margin", 8)
+    assert parse_job({"prompt": "ab"}, eng, (5, 6), False).requests[0].sampling.temperature == 0.0
 
 
 def install_fake_engine(delay: float) -> None:
@@ -679,9 +683,9 @@ def install_fake_engine(delay: float) -> None:
     module = types.ModuleType("clover_jax.serving.engine")
     module.Engine = functools.partial(FakeEngine, delay=delay)  # type: ignore[attr-defined]
     sys.modules["clover_jax.serving.engine"] = module
-    from clover_jax.commands import generate
+    from clover_jax import loading
 
-    generate.load = lambda model, mesh: (FakeCfg(), None, ByteTokenizer(), None)
+    loading.open_model = lambda model, mesh=None, say=None: loading.OpenModel(FakeCfg(), None, ByteTokenizer(), None)
 
 
 def _read_lines(stream: Any, out: queue.Queue) -> None:

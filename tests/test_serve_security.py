@@ -30,7 +30,9 @@ from clover_jax import cli
 from clover_jax.commands import serve as serve_cmd
 from clover_jax.errors import UsageError
 from clover_jax.serving import guard, logs
-from clover_jax.serving.api import ApiError, Limits, chat_prompt, completion_prompt, make_app, parse_job, set_draining
+from clover_jax.serving.api import make_app, set_draining
+from clover_jax.serving.http_errors import ApiError
+from clover_jax.serving.http_request import Limits, chat_prompt, completion_prompt, parse_job
 from clover_jax.serving.requests import ServingError
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -426,7 +428,7 @@ def test_integers_written_as_floats_and_json_media_types(client, engine):
     r = client.post("/v1/completions", content=b'{"prompt": [97.0, 98], "max_tokens": 4.0, "n": 2.0, "seed": 7.0}',
                     headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and [ch["text"] for ch in r.json()["choices"]] == [TOK.decode([97, 98] * 2)] * 2
-    assert engine.submitted[0].max_tokens == 4 and [q.seed for q in engine.submitted] == [7, 8]
+    assert engine.submitted[0].max_tokens == 4 and [q.sampling.seed for q in engine.submitted] == [7, 8]
     error_of(client.post("/v1/completions", json={"prompt": "a", "seed": 1.5}), 400, "invalid_type")
     r = client.post("/v1/completions", content=b'{"prompt": "ab", "max_tokens": 2}',
                     headers={"content-type": "application/vnd.api+json"})

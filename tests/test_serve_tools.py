@@ -15,9 +15,10 @@ from starlette.testclient import TestClient
 
 from clover_jax.serving.api import make_app
 from clover_jax.serving.chat import Message, parse_messages, plain_prompt, render_messages
+from clover_jax.serving.field_error import FieldError
 from clover_jax.serving.requests import Event, Request
 from clover_jax.serving.tool_parse import Parsed, ParsedCall, call_end, parse_calls
-from clover_jax.serving.tools import ToolError, ToolSpec, parse_tools
+from clover_jax.serving.tools import ToolSpec, parse_tools
 from clover_jax.tokenizer import ByteTokenizer
 from clover_jax.tokenizer.chat_template import ChatTemplateError, render_chat_template
 
@@ -58,7 +59,7 @@ def test_parse_tools_defaults_and_choices():
     ({"tools": [ADD], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])
 def test_parse_tools_errors_name_the_field(body, param):
-    with pytest.raises(ToolError) as e:
+    with pytest.raises(FieldError) as e:
         parse_tools(body)
     assert e.value.param == param
 
@@ -184,7 +185,7 @@ class ScriptedEngine:
     cancelled: list[int] = field(default_factory=list)
 
     def submit(self, req: Request, on_event: Any) -> int:
-        req.check(self.block_length, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
+        req.check(self.block_length, "prefix", self.cfg.vocab_size, self.max_prompt, self.max_tokens)
         self.prompts.append(ByteTokenizer().decode(list(req.prompt)))
         rid = len(self.prompts)
         ids = ByteTokenizer().encode(self.reply)[:req.max_tokens]
@@ -316,8 +317,9 @@ def test_errors_are_openai_400s_with_param(body, param):
 
 # --- the toy task ------------------------------------------------------------------------------------
 
-def test_toy_task_rows_hold_calls_the_server_parses():
-    from clover_jax.serving import toy_agent
+def test_toy_task_rows_hold_calls_the_server_parses(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # the repository root: examples/
+    from examples import toy_agent
 
     train, held = toy_agent.split(60, 10, seed=1)
     assert len(train) == 60 and len(held) == 10 and not {t.question for t in train} & {t.question for t in held}

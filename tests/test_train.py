@@ -136,7 +136,7 @@ def test_sft_on_the_prompt_grid_equals_the_samplers_canvas(name) -> None:
 
 def test_block_grid_settings() -> None:
     """`auto` is the family's generation grid (Clover: prompt, LLaDA2: absolute); anything else is refused."""
-    from clover_jax.sampler.generate import resolve_rule
+    from clover_jax.sampler.settings import resolve_rule
 
     assert masks.resolve_block_grid(CFG, TrainConfig().block_grid) == "prompt"
     assert masks.resolve_block_grid(get_config("test-llada2"), "auto") == "absolute"

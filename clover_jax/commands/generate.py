@@ -12,43 +12,28 @@ and none is written twice.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
-from clover_jax import shipped
-from clover_jax.checkpoint import load_checkpoint_config, load_model
+from clover_jax import loading
 from clover_jax.commands import jobs
-from clover_jax.config import BD_GDN_MODES, ModelConfig, get_config, preset_names
-from clover_jax.errors import CloverError, SamplerError, UsageError
-from clover_jax.jsonfile import read_object
-from clover_jax.mesh.layouts import add_mesh_argument, mesh_from_arg
+from clover_jax.config import BD_GDN_MODES, ModelConfig
+from clover_jax.errors import SamplerError, UsageError
+from clover_jax.mesh.layouts import add_mesh_argument
 from clover_jax.mesh.rules import MeshRules
-from clover_jax.model import params, quant
 from clover_jax.model.moe import get_dispatch
 from clover_jax.paths import unwritable_reason
-from clover_jax.sampler import (
-    SamplerConfig,
-    SamplerStats,
-    batch_bucket,
-    check_model,
-    check_prompts,
-    check_settings,
-    generate,
-)
-from clover_jax.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from clover_jax.sampler import SamplerConfig, SamplerStats, batch_bucket, check_prompts, check_settings, generate
+from clover_jax.sampler import settings as sampler_settings
+from clover_jax.tokenizer import Tokenizer
 
 PLACEHOLDER = "░"
-_RANDOM_WEIGHTS: dict[tuple, Any] = {}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `generate` subcommand (prompt or --input job, sampler flags, --mesh) to `sub`; it dispatches
+    """Add the `generate` subcommand (prompt or --input job, the sampler's flags, --mesh) to `sub`; it dispatches
     to `run`."""
     p = sub.add_parser("generate", help="generate text with the masked-diffusion sampler",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,34 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory (with config.json) or preset name (random weights); "
                         "default: the shipped clover-tiny model")
-    p.add_argument("--gen-length", type=int, default=None,
-                   help="tokens to generate (a multiple of --block-length; default 128)")
-    p.add_argument("--block-length", type=int, default=None, help="semi-autoregressive block size (default 32)")
-    p.add_argument("--steps", type=int, default=None, help="refinement steps in all (default: gen-length)")
-    p.add_argument("--remasking", default=None,
-                   help="low_confidence (default) | random | margin | entropy")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="also commit every masked token whose confidence exceeds this (0 = off)")
-    p.add_argument("--entropy-bound", type=float, default=None,
-                   help="also commit lowest-entropy tokens while their entropy sum stays within it (0 = off)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus filter (default 1 = off)")
-    p.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
-    p.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale (0 = off)")
-    p.add_argument("--cache", default=None,
-                   help="auto (default) | none | prefix | dual. auto: prefix for block-causal models (exact), none "
-                        "otherwise; prefix/dual are approximations for bidirectional models")
-    p.add_argument("--block-grid", default=None,
-                   help="auto (default) | prompt | absolute. prompt: generated blocks start after the prompt "
-                        "(LLaDA, Fast-dLLM); absolute: blocks from position 0, the prompt's partial last block "
-                        "completed first (LLaDA2's generate). auto: absolute for llada2_moe models")
-    p.add_argument("--confidence", default=None,
-                   help="auto (default) | logits | sampling: the probability low_confidence and --threshold use. "
-                        "logits: the model's softmax at temperature 1 (LLaDA); sampling: the tempered, top-k/top-p "
-                        "filtered distribution the token was drawn from (LLaDA2). Equal at temperature 0. "
-                        "auto: sampling for llada2_moe models")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
-    p.add_argument("--no-eos-stop", action="store_true", help="keep generating after EOS")
+    sampler_settings.add_flags(p)
     p.add_argument("--bd-gdn", choices=BD_GDN_MODES, default=None,
                    help="how Gated DeltaNet layers use Clover's block-diffusion tensors: 'reconstructed' (this "
                         "project's reading) or 'none' (the plain causal Gated DeltaNet, as llama.cpp runs it); "
@@ -100,57 +58,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt as is")
     add_mesh_argument(p)
     p.set_defaults(func=run)
-
-
-def default_model() -> str:
-    """The shipped clover-tiny checkpoint (package data), or the clover-tiny preset if it is missing."""
-    return str(shipped.MODEL_DIR) if (shipped.MODEL_DIR / "config.json").is_file() else "clover-tiny"
-
-
-def load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenizer, MeshRules | None]:
-    """(cfg, weights, tokenizer, mesh or None) for a checkpoint dir or a preset name; weights placed
-    on the `--mesh` layout when one is given."""
-    try:
-        return _load(model, mesh_name)
-    except CloverError:
-        raise
-    except (ValueError, FileNotFoundError) as e:  # e.g. a mesh that this host's devices cannot hold
-        raise UsageError(str(e)) from e
-
-
-def _load(model: str, mesh_name: str | None) -> tuple[ModelConfig, Any, Tokenizer, MeshRules | None]:
-    is_dir = os.path.isdir(model)
-    if is_dir:
-        cfg = load_checkpoint_config(model)
-    elif model in preset_names():
-        cfg = get_config(model)
-    else:
-        raise UsageError(f"--model {model!r} is neither a checkpoint directory nor a preset "
-                         f"({', '.join(preset_names())})")
-    check_model(cfg)  # before any weight is read or made
-    mesh = mesh_from_arg(mesh_name)
-    quant.check_backend(cfg.quantization, None if mesh is None else list(mesh.mesh.devices.flat))
-    shardings = None if mesh is None else params.weight_shardings(cfg, mesh.mesh, mesh.rules)
-    if is_dir:
-        print(f"clover generate: loading {model} ...", file=sys.stderr, flush=True)
-        cfg, weights = load_model(model, shardings)
-        try:
-            tok = load_tokenizer(model)
-        except (OSError, RuntimeError) as e:  # sentencepiece raises RuntimeError/OSError on a bad file
-            raise UsageError(f"cannot read the tokenizer in {model}: {' '.join(str(e).split())}") from None
-        if isinstance(tok, ByteTokenizer):
-            print(f"clover generate: warning: {model} has no tokenizer.model: using the byte tokenizer (ids are "
-                  "raw UTF-8 bytes, which only suits a model trained on them)", file=sys.stderr)
-    else:
-        print(f"clover generate: warning: {model!r} is a preset: RANDOM weights and the byte tokenizer "
-              "(pass --model <checkpoint dir> for a trained model)", file=sys.stderr)
-        key = (model, mesh_name)  # repeated runs in one process (notebooks, tests) reuse the init
-        if key not in _RANDOM_WEIGHTS:
-            _RANDOM_WEIGHTS.clear()
-            _RANDOM_WEIGHTS[key] = params.init(cfg, jax.random.key(0), shardings)
-        weights = _RANDOM_WEIGHTS[key]
-        tok = ByteTokenizer()
-    return cfg, weights, tok, mesh
 
 
 def encode(tok: Tokenizer, text: str, chat: bool) -> list[int]:
@@ -194,43 +101,6 @@ def make_show(tok: Tokenizer, cfg: ModelConfig, prefix: str) -> Any:
     return show
 
 
-# Sampler settings a flag can set (SamplerConfig's own defaults); generation_config.json may change them.
-SAMPLER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplerConfig)
-                                    if f.name != "eos_stop"}
-_HF_NAMES = {"max_new_tokens": "gen_length"}  # HuggingFace generation_config.json spellings
-
-
-def model_sampler_defaults(model: str) -> dict[str, Any]:
-    """Sampler defaults stored with a checkpoint (generation_config.json); unknown keys are ignored."""
-    path = os.path.join(model, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    doc = read_object(path, UsageError)
-    out = {}
-    for key, value in doc.items():
-        key = _HF_NAMES.get(key, key)
-        if key in SAMPLER_DEFAULTS:
-            default = SAMPLER_DEFAULTS[key]
-            if value is None and default is None:
-                out[key] = None
-                continue
-            kinds = (int, float) if isinstance(default, float) else (type(default),) if default is not None else (int,)
-            if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, kinds):
-                raise UsageError(f"{path}: {key} must be {'a number' if float in kinds else kinds[0].__name__}, "
-                                 f"got {json.dumps(value)}")
-            out[key] = value
-    return out
-
-
-def sampler_config(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> SamplerConfig:
-    """Flags first, then the model's generation_config.json, then the built-in defaults."""
-    settings = dict(SAMPLER_DEFAULTS, **(model_defaults or {}))
-    for key in SAMPLER_DEFAULTS:
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    return SamplerConfig(**settings, eos_stop=not args.no_eos_stop)
-
-
 def _note(message: str) -> None:
     print(f"clover generate: {message}", file=sys.stderr, flush=True)
 
@@ -258,9 +128,9 @@ def check_output(output: str, input_path: str | None) -> None:
 def warn_steps(sc: SamplerConfig) -> None:
     """A warning when --steps is not what runs: split over the blocks with a remainder, or more steps per
     block than the block has tokens (a block ends when it has no mask left)."""
-    per_block = sc.total_steps // sc.n_blocks
+    per_block = sc.block_steps
     runs = min(per_block, sc.block_length) * sc.n_blocks
-    if runs != sc.total_steps:
+    if sc.steps is not None and runs != sc.total_steps:
         print(f"clover generate: warning: --steps {sc.total_steps} over {sc.n_blocks} blocks of {sc.block_length} "
               f"runs at most {runs} steps ({min(per_block, sc.block_length)} per block)", file=sys.stderr)
 
@@ -275,11 +145,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.output:
         check_output(args.output, args.input)
-    model = args.model or default_model()
-    stored = model_sampler_defaults(model) if os.path.isdir(model) else {}
-    sc = sampler_config(args, stored)
-    check_settings(sc)  # the knobs, before reading or loading anything
-    from_model = {k: v for k, v in stored.items() if getattr(args, k) is None and v != SAMPLER_DEFAULTS[k]}
+    model = args.model or loading.default_model()
+    stored = loading.sampler_defaults(model)
+    sc = sampler_settings.from_flags(args, stored)
+    check_settings(sc, sampler_settings.FLAGS)  # the settings, before reading or loading anything
+    defaults = sampler_settings.SETTINGS
+    from_model = {k: v for k, v in stored.items() if getattr(args, k) is None and v != defaults[k].default}
     if from_model:
         print(f"clover generate: from {os.path.join(model, 'generation_config.json')}: "
               + ", ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override them)", file=sys.stderr)
@@ -290,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--dispatch: {e}") from e
     todo_jobs = jobs.read_jobs(args.input) if args.input else [(0, args.prompt)]
-    cfg, weights, tok, mesh = load(model, args.mesh)
+    cfg, weights, tok, mesh = loading.open_model(model, args.mesh, _note)
     if args.bd_gdn is not None and args.bd_gdn != cfg.bd_gdn:
         if not cfg.has_bd_weights:
             raise UsageError(f"--bd-gdn: {cfg.name} has no block-diffusion Gated DeltaNet tensors")
@@ -301,9 +172,9 @@ def run(args: argparse.Namespace) -> int:
     encoded = [(rid, text, encode(tok, text, chat)) for rid, text in todo]
     for rid, _, ids in encoded:
         try:
-            check_prompts(cfg, sc, [ids])
+            check_prompts(cfg, sc, [ids], sampler_settings.FLAGS, labels=[rid])
         except SamplerError as e:
-            raise UsageError(f"prompt {rid!r}: {e}") from e
+            raise UsageError(str(e)) from e
     if args.input and done:
         print(f"clover generate: {len(done)} rows already in {args.output}, {len(todo)} to go", file=sys.stderr)
     if args.input:

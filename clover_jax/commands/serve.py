@@ -26,9 +26,7 @@ and run time) in --log-format text (key=value) or json (one object per line).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import io
 import ipaddress
 import os
 import re
@@ -37,7 +35,7 @@ import stat
 import threading
 from typing import Any
 
-from clover_jax.commands import generate as gen_cmd
+from clover_jax import loading
 from clover_jax.errors import UsageError
 from clover_jax.mesh.layouts import add_mesh_argument
 
@@ -233,14 +231,6 @@ def _compiled(line: str) -> None:
     _say(line if line.startswith("compiled") else f"compiled {line}")
 
 
-def request_defaults(stored: dict[str, Any]) -> dict[str, Any]:
-    """The request defaults (`api.DEFAULTABLE` keys) of a checkpoint's sampler defaults
-    (`generate.model_sampler_defaults`): what a request that leaves a field out gets."""
-    names = {"gen_length": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-             "threshold": "threshold", "remasking": "remasking"}
-    return {names[k]: v for k, v in stored.items() if k in names and v is not None}
-
-
 def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
@@ -265,11 +255,12 @@ def run(args: argparse.Namespace) -> int:
         _say(warning, "warning")
     sock = bind(args.host, args.port)  # a busy port fails now, not after minutes of compiling
     try:
-        model = args.model or gen_cmd.default_model()
-        cfg, weights, tok, mesh = _load(model, args.mesh)
+        model = args.model or loading.default_model()
+        stored = loading.sampler_defaults(model)
+        cfg, weights, tok, mesh = loading.open_model(model, args.mesh, _say_loading)
         from clover_jax.serving.engine import Engine
+        from clover_jax.serving.http_request import request_defaults
 
-        stored = gen_cmd.model_sampler_defaults(model) if os.path.isdir(model) else {}
         if args.block_length is None:
             args.block_length = stored.get("block_length", 32)
         defaults = request_defaults(stored)
@@ -285,20 +276,10 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
-def _load(model: str, mesh: Any) -> tuple[Any, Any, Any, Any]:
-    """generate.load; with --log-format json, the lines it prints ("clover generate: loading ...") are
-    re-said as JSON lines, so that every line on stderr parses."""
-    if _LOG["format"] == "text":
-        return gen_cmd.load(model, mesh)
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            return gen_cmd.load(model, mesh)
-    finally:
-        for line in said.getvalue().splitlines():
-            text = line.removeprefix("clover generate: ")
-            warning = text.startswith("warning: ")
-            _say(text.removeprefix("warning: "), "warning" if warning else "info")
+def _say_loading(line: str) -> None:
+    """`loading.open_model`'s lines as this server's log lines (its warnings at level warning)."""
+    warning = line.startswith("warning: ")
+    _say(line.removeprefix("warning: "), "warning" if warning else "info")
 
 
 class Drainer:

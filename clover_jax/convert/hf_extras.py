@@ -25,7 +25,7 @@ tokenizer files of the native checkpoint `src` were copied there, and writes (in
       and eos_token_id / pad_token_id / mask_token_id from `cfg` unless the file has them (None ones
       left out). The tokenizer copy already put the native file there (it is one of TOKENIZER_FILES);
       it is rewritten only when this changes something, so an HF-format file comes back byte for byte.
-      `clover generate` reads the result back (`model_sampler_defaults` maps max_new_tokens).
+      `clover generate` reads the result back (`sampler.settings.read_defaults` maps max_new_tokens).
   README.md
       The model card: `src/MODEL_CARD.md` with an HF front-matter header put before it when it has
       none, or else a short card generated from `cfg`. An existing README.md is kept.
@@ -142,7 +142,7 @@ def _generation_config(tmp: str, src: str, cfg: ModelConfig) -> bool:
     native: dict[str, Any] = {}
     if os.path.isfile(path):
         native = read_object(path, ConversionError)
-    doc = {_HF_NAMES.get(k, k): v for k, v in native.items()}  # later keys win, as model_sampler_defaults reads
+    doc = {_HF_NAMES.get(k, k): v for k, v in native.items()}  # later keys win, as settings.read_defaults reads
     for key, value in (("eos_token_id", cfg.eos_token_id), ("pad_token_id", cfg.pad_token_id),
                        ("mask_token_id", cfg.mask_token_id)):
         if value is not None:

@@ -20,11 +20,12 @@ Requests:
                          buckets, so a few programs serve every request; the text is cut at the first stop string.
 
 model_args (all optional): pretrained (a checkpoint directory; default the shipped clover-tiny), mc_num (128),
-batch_size (16), cfg (guidance scale of the estimator and the sampler, 0), check_greedy (false), seed (0),
-max_length (the model's max_seq_len), gen_length (default the request's max_gen_toks, rounded up to whole
-blocks), block_length (32, at most gen_length), steps (gen_length), threshold (0), cache (auto), remasking
-(low_confidence), temperature (0: greedy), apply_chat_template (false: the checkpoint's template on every
-generate_until prompt; lm-eval's --apply_chat_template formats the whole conversation instead), dispatch.
+batch_size (16), check_greedy (false), max_length (the model's max_seq_len), apply_chat_template (false: the
+checkpoint's template on every generate_until prompt; lm-eval's --apply_chat_template formats the whole
+conversation instead), dispatch; and every sampler setting by its name (`sampler.settings`: steps, threshold,
+remasking, temperature, top_p, ...; their defaults are the sampler's), with `cfg` for cfg_scale (the guidance
+scale of the estimator and the sampler) and `seed` seeding the estimator too. gen_length defaults to the request's
+max_gen_toks rounded up to whole blocks, block_length (32) to at most gen_length.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import math
 import os
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,10 @@ from tqdm import tqdm
 
 from clover_jax import shipped
 from clover_jax.checkpoint import load_model
-from clover_jax.errors import EvaluationError
+from clover_jax.errors import EvaluationError, SamplerError
 from clover_jax.evaluation.likelihood import Estimate, estimate
 from clover_jax.sampler import SamplerConfig, batch_bucket, check_model, check_settings, generate
+from clover_jax.sampler.settings import MODEL_ARGS, parse_value
 from clover_jax.tokenizer import load_tokenizer
 
 NAME = "clover"
@@ -75,40 +77,52 @@ def _opt_int(value: Any) -> int | None:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The model_args of `CloverLM`, typed (see the module docstring)."""
+    """The model_args of `CloverLM`, typed (see the module docstring): the harness's own, and `sampling`, the
+    sampler settings given (by `SamplerConfig` field; lm-eval names them as `settings.MODEL_ARGS` does)."""
 
     mc_num: int = 128
     batch_size: int = 16
-    cfg: float = 0.0
     check_greedy: bool = False
-    seed: int = 0
     max_length: int | None = None
-    gen_length: int | None = None
-    block_length: int = 32
-    steps: int | None = None
-    threshold: float = 0.0
-    cache: str = "auto"
-    remasking: str = "low_confidence"
-    temperature: float = 0.0
     apply_chat_template: bool = False
     dispatch: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cfg_scale(self) -> float:
+        """The guidance scale of the estimator and the sampler (model_args `cfg`)."""
+        return self.sampling.get("cfg_scale", 0.0)
+
+    @property
+    def seed(self) -> int:
+        """The seed of the estimator's draws and the sampler."""
+        return self.sampling.get("seed", 0)
+
+
+_OWN = {"mc_num": int, "batch_size": int, "check_greedy": _flag, "max_length": _opt_int,
+        "apply_chat_template": _flag, "dispatch": lambda v: None if v in (None, "None") else str(v)}
 
 
 def settings_from(kwargs: dict[str, Any]) -> EvalSettings:
     """EvalSettings from model_args (strings or values); EvaluationError names an unknown or bad one."""
-    kinds = {"mc_num": int, "batch_size": int, "cfg": float, "check_greedy": _flag, "seed": int,
-             "max_length": _opt_int, "gen_length": _opt_int, "block_length": int, "steps": _opt_int,
-             "threshold": float, "cache": str, "remasking": str, "temperature": float,
-             "apply_chat_template": _flag, "dispatch": lambda v: None if v in (None, "None") else str(v)}
-    out = {}
+    own, sampling = {}, {}
     for key, value in kwargs.items():
-        if key not in kinds:
-            raise EvaluationError(f"unknown model argument {key!r} (known: pretrained, {', '.join(kinds)})")
-        try:
-            out[key] = kinds[key](value)
-        except (TypeError, ValueError) as e:
-            raise EvaluationError(f"model argument {key}={value!r}: {e}") from None
-    s = EvalSettings(**out)
+        if key in _OWN:
+            try:
+                own[key] = _OWN[key](value)
+            except (TypeError, ValueError) as e:
+                raise EvaluationError(f"model argument {key}={value!r}: {e}") from None
+        elif key in MODEL_ARGS:
+            if value in (None, "", "None", "none"):  # lm-eval writes unset arguments so: the sampler's default
+                continue
+            try:
+                sampling[MODEL_ARGS[key]] = parse_value(MODEL_ARGS[key], value)
+            except SamplerError as e:
+                raise EvaluationError(f"model argument {e}") from None
+        else:
+            raise EvaluationError(f"unknown model argument {key!r} (known: pretrained, "
+                                  f"{', '.join([*_OWN, *MODEL_ARGS])})")
+    s = EvalSettings(**own, sampling=sampling)
     if s.batch_size < 1 or s.mc_num < s.batch_size or s.mc_num % s.batch_size:
         raise EvaluationError(f"mc_num ({s.mc_num}) must be a positive multiple of batch_size ({s.batch_size})")
     return s
@@ -191,7 +205,7 @@ class CloverLM(LM):
         prompt = list(prompt)[max(0, len(prompt) + len(answer) - self.max_length):]
         key = zlib.crc32(np.asarray([*prompt, -1, *answer], np.int64).tobytes())
         est = estimate(self.weights, self.cfg, prompt, answer, mc_num=s.mc_num, batch_size=s.batch_size,
-                       cfg_scale=s.cfg, seed=int(np.random.SeedSequence([s.seed, key]).generate_state(1)[0]),
+                       cfg_scale=s.cfg_scale, seed=int(np.random.SeedSequence([s.seed, key]).generate_state(1)[0]),
                        check_greedy=s.check_greedy and kind == "loglikelihood", dispatch=s.dispatch)
         self.estimates.append((kind, est))
         return est
@@ -229,19 +243,24 @@ class CloverLM(LM):
     # ---- generation ---------------------------------------------------------------------------------------
 
     def sampler_config(self, gen_kwargs: dict[str, Any]) -> tuple[SamplerConfig, list[str]]:
-        """(SamplerConfig, stop strings) for one request's gen_kwargs: max_gen_toks (when gen_length is not set)
-        rounded up to whole blocks, a temperature given there wins over the model_args one."""
-        s = self.settings
+        """(SamplerConfig, stop strings) for one request's gen_kwargs: the model_args' sampler settings; without a
+        gen_length, max_gen_toks rounded up to whole blocks (the block no longer than it); a temperature given
+        there wins over the model_args one."""
+        given = dict(self.settings.sampling)
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
-        want = s.gen_length or int(gen_kwargs.get("max_gen_toks", 256))
-        block = min(s.block_length, want)
-        gen_length = -(-want // block) * block
-        temperature = float(gen_kwargs.get("temperature", s.temperature)) if gen_kwargs.get("do_sample", True) else 0.0
-        sc = SamplerConfig(gen_length=gen_length, block_length=block, steps=s.steps, remasking=s.remasking,
-                           threshold=s.threshold, temperature=temperature, cfg_scale=s.cfg, seed=s.seed,
-                           cache=s.cache)
-        check_settings(sc)
+        want = given.get("gen_length") or int(gen_kwargs.get("max_gen_toks", 256))
+        block = min(given.get("block_length", SamplerConfig.block_length), want)
+        given.update(gen_length=-(-want // block) * block, block_length=block)
+        if "temperature" in gen_kwargs:
+            given["temperature"] = float(gen_kwargs["temperature"])
+        if not gen_kwargs.get("do_sample", True):
+            given["temperature"] = 0.0
+        sc = SamplerConfig(**given)
+        try:
+            check_settings(sc, {v: k for k, v in MODEL_ARGS.items()})
+        except SamplerError as e:
+            raise EvaluationError(f"model argument {e}") from None
         return sc, until
 
     def _prompt_ids(self, context: str, gen_length: int) -> list[int]:

@@ -137,7 +137,7 @@ class GatedDeltaNetWeights:
     dt_bias: Any  # [linear_heads] float32
     norm: Any  # [head_dim] float32 scale of the gated RMSNorm
     out: Any  # [linear_heads, head_dim, embed]
-    # Clover's block-diffusion tensors (None unless cfg.has_bd_weights); see gated_deltanet.block_mixer.
+    # Clover's block-diffusion tensors (None unless cfg.has_bd_weights); see gated_deltanet.mixer.
     conv_right: Any = None  # [bd_conv_right_kernel, linear_key_heads, linear_conv] right-looking depthwise conv
     # inside a block
     bd_logit_scale: Any = None  # [linear_heads] float32 scale of the in-block softmax logits

@@ -17,55 +17,19 @@ columns (all by default): a window run twice with commit=None advances the state
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from clover_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from clover_jax.mesh.rules import MeshRules, constrain
 from clover_jax.model import gated_deltanet, layers, masks, quant
+from clover_jax.model.cache import KVCache
 from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
 from clover_jax.model.params import LayerWeights, Weights
 
 Array = jax.Array
-
-
-@struct.dataclass
-class KVCache:
-    """Keys and values of every attention layer: [layers, B, S, kv_heads, head_dim] for each stack;
-    hybrid configs add the Gated DeltaNet layers' fixed-size state (`linear`, stacked over those layers)."""
-
-    dense_k: Any
-    dense_v: Any
-    moe_k: Any
-    moe_v: Any
-    linear: Any = None  # gated_deltanet.MixerState with [linear layers, B, ...] leaves, or None
-
-    @property
-    def length(self) -> int:
-        """Cache columns S."""
-        return (self.moe_k if self.moe_k is not None else self.dense_k).shape[2]
-
-
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> KVCache:
-    """A zero cache of S = `length` columns for `batch` sequences, in `dtype` (default the config's):
-    [layers, B, S, kv_heads, head_dim] per stack, None for a stack the config does not have."""
-    dt = jnp.dtype(cfg.dtype) if dtype is None else dtype
-
-    def zeros(n: int) -> Array | None:
-        return jnp.zeros((n, batch, length, cfg.n_kv_heads, cfg.head_dim), dt) if n else None
-
-    n_attn = cfg.n_moe_layers - cfg.n_linear_layers
-    linear = None
-    if cfg.is_hybrid:
-        n = cfg.n_linear_layers
-        linear = gated_deltanet.MixerState(
-            jnp.zeros((n, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                      jnp.float32),
-            jnp.zeros((n, batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dt))
-    return KVCache(zeros(cfg.n_dense_layers), zeros(cfg.n_dense_layers), zeros(n_attn), zeros(n_attn), linear)
 
 
 class ForwardOut(NamedTuple):

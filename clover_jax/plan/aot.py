@@ -24,6 +24,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.errors import PlanError
 from clover_jax.mesh.layouts import Layout, make_mesh
 from clover_jax.mesh.rules import MeshRules, ShardingRules, logical_to_spec
+from clover_jax.model import cache as kv_cache
 from clover_jax.model import transformer
 from clover_jax.plan.arithmetic import PassShape
 
@@ -115,15 +116,8 @@ def abstract_inputs(cfg: ModelConfig, p: PassShape, mesh: Any, rules: ShardingRu
     tokens = sds((b, w), jnp.int32, ("batch", "seq"))
     positions = sds((b, w), jnp.int32, ("batch", "seq"))
     mask = sds((b, w, p.kv_len), jnp.bool_, ("batch", "seq", None))
-    cache = None
-    if p.cached:
-        # The shapes of transformer.init_cache: K/V [layers, B, S, kv_heads, head_dim]; Gated DeltaNet
-        # states [layers, B, ...], split by batch only.
-        shapes = jax.eval_shape(lambda: transformer.init_cache(cfg, b, p.kv_len))
-        kv = lambda s: None if s is None else sds(s.shape, s.dtype, ("layers", "batch", "seq", "kv_heads", "head_dim"))
-        state = lambda s: sds(s.shape, s.dtype, ("layers", "batch") + (None,) * (s.ndim - 2))
-        cache = transformer.KVCache(kv(shapes.dense_k), kv(shapes.dense_v), kv(shapes.moe_k), kv(shapes.moe_v),
-                                    None if shapes.linear is None else jax.tree.map(state, shapes.linear))
+    # the cache as the sampler and the server place it (`model.cache.shardings`)
+    cache = kv_cache.abstract(cfg, b, p.kv_len, MeshRules(mesh, rules)) if p.cached else None
     offset = sds((), jnp.int32, ())
     return tokens, positions, mask, cache, offset
 

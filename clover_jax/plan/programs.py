@@ -5,8 +5,8 @@ mode and MoE dispatch as `generate`) and AOT-compiles `sampler.generate.PROGRAM_
 whole-request loop (prefill, every block, every refinement step, the cache allocated inside), for
 the layout's TPU topology with the weights as ShapeDtypeStructs in their shardings. `plan_serve`
 builds the `serving.Engine` of the same flags (its checks, columns, cache mode and prefill widths)
-and compiles its block program (`serving.program.block_program`, the state donated) and its widest
-prefill program (`prefill_program`). The TPU compiler's `memory_analysis()` is the per-chip HBM
+and compiles the programs `Engine.programs` hands it, the ones `clover serve` compiles: its block program (the
+state donated) and its widest prefill program. The TPU compiler's `memory_analysis()` is the per-chip HBM
 verdict; a compiler "out of memory" is "does not fit".
 
 Next to it an analytic roofline (`PassCost`): per pass, the weight bytes one chip reads (routed
@@ -24,8 +24,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
@@ -246,7 +246,7 @@ def plan_generate(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len:
     spec = prep.spec
     total, per_chip, by_kind, structs = _weights(cfg, layout, mesh)
 
-    p, g, bl, rows = spec.prompt_len, spec.gen_length, spec.block_length, spec.model_rows
+    p, g, bl, rows = spec.prompt_len, spec.gen_columns, spec.block_length, spec.model_rows
     s = spec.cache_columns
     cache_chip = cache_bytes_per_chip(cfg, layout, rows, s) if s else 0
     passes: dict[str, PassCost] = {}
@@ -271,9 +271,17 @@ def plan_generate(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len:
     plan = ProgramPlan("generate", cfg, layout, spec_chip, prep.forward_fn.dispatch if not abstract else
                        (dispatch or "chosen on the devices"), spec.batch, prompt_len, p, gen_len, g, bl, spec.cache,
                        rows if s else 0, s, cache_bytes(cfg, rows, s) if s else 0, cache_chip, total, per_chip,
-                       [prog], passes, method, note, steps=int(prep.knobs.steps))
+                       [prog], passes, method, note, steps=int(prep.knobs.steps_per_block) * spec.n_blocks)
     plan.activations_estimate = _activations(cfg, layout, rows, p if s else p + g, p + g, bl)
     return plan
+
+
+def serve_programs(engine: Any, weights: Any) -> dict[tuple[str, int], tuple[Any, tuple]]:
+    """What `clover plan --serve` compiles: the engine's own programs (`Engine.programs`, the ones `clover serve`
+    compiles before it listens) with `weights` and the engine's state as ShapeDtypeStructs in their shardings."""
+    state = serving_program.abstract_state(engine.cfg, engine.forward_fn, engine.capacity, engine.columns,
+                                           engine.block_length, engine.cache, engine.mesh)
+    return engine.programs(weights, state)
 
 
 def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: int, batch: int | None = None,
@@ -315,16 +323,12 @@ def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: in
         programs.append(ProgramCompile("serve prefill", f"the engine's widest prefill program (serving.program.admit):"
                                                         f" one prompt of up to {engine.widths[-1]} columns"))
     if not abstract:
-        state = serving_program.abstract_state(cfg, fwd, rows, s, bl, mode, mesh)
-        keep = jax.ShapeDtypeStruct((rows,), np.bool_)
+        compiled = serve_programs(engine, structs)
         say(f"compiling the serving block program ({rows} rows x {s} columns) for {layout.topology}")
-        programs[0].compiled = compile_jitted(serving_program.block_program(cfg, fwd, bl, mode, rows, state, mesh),
-                                              (structs, state, keep), mesh.mesh)
+        programs[0].compiled = compile_jitted(*compiled["block", rows], mesh.mesh)
         if mode == "prefix" and programs[0].compiled.ok:
             say(f"compiling the serving prefill program ({engine.widths[-1]} columns) for {layout.topology}")
-            jitted = serving_program.prefill_program(cfg, fwd, bl, mode, engine.widths[-1], state, mesh)
-            programs[1].compiled = compile_jitted(jitted, (structs, state, *serving_program.row_args(state)),
-                                                  mesh.mesh)
+            programs[1].compiled = compile_jitted(*compiled["prefill", engine.widths[-1]], mesh.mesh)
     g = s - -(-prompt_len // bl) * bl
     plan = ProgramPlan("serve", cfg, layout, spec_chip, fwd.dispatch if not abstract else
                        (dispatch or "chosen on the devices"), rows, prompt_len, s - g, gen_len, g, bl, mode,

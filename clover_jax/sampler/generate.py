@@ -30,11 +30,9 @@ bidirectional ones, where `prefix` / `dual` are approximations (see `program`).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -45,61 +43,17 @@ from clover_jax import compile_cache, kernels
 from clover_jax.config import ModelConfig
 from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
-from clover_jax.model import masks
+from clover_jax.model.forward_fn import ForwardFn, ModelForward
 from clover_jax.model.moe import choose_dispatch
-from clover_jax.sampler.program import (
-    BLOCK_GRIDS,
-    CACHE_MODES,
-    ForwardFn,
+from clover_jax.sampler.program import ProgramOut, ProgramSpec, run_program, set_progress_sink
+from clover_jax.sampler.settings import (
     Knobs,
-    ModelForward,
-    ProgramOut,
-    ProgramSpec,
-    make_knobs,
-    run_program,
-    set_progress_sink,
+    SamplerConfig,
+    check_settings,
+    knobs,
+    resolve_cache,
+    resolve_rule,
 )
-from clover_jax.sampler.scoring import REMASKING, remasking_index
-
-CONFIDENCES = ("logits", "sampling")
-# What `auto` means per model family: the rules of the family's own reference generator (the block grid's
-# is `masks.family_block_grid`, which training shares).
-FAMILY_DEFAULTS: dict[str, dict[str, str]] = {"llada2_moe": {"confidence": "sampling"}}
-
-
-@dataclass(frozen=True)
-class SamplerConfig:
-    """One sampling request's settings; `check_settings` says what is allowed. Hashable, never mutated."""
-
-    gen_length: int = 128
-    block_length: int = 32
-    steps: int | None = None  # total refinement steps over all blocks; None = gen_length (one token a step)
-    remasking: str = "low_confidence"  # low_confidence | random | margin | entropy
-    threshold: float = 0.0  # > 0: also commit every masked position whose confidence exceeds it
-    entropy_bound: float = 0.0  # > 0: also commit the EB-sampler lowest-entropy prefix
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    cfg_scale: float = 0.0  # classifier-free guidance; 0 = off
-    seed: int = 0
-    cache: str = "auto"  # auto | none | prefix | dual (auto: prefix for block-causal models, else none: exact)
-    eos_stop: bool = True  # a row stops at its first EOS once nothing before it is masked
-    block_grid: str = "auto"  # auto | prompt | absolute (auto: absolute for llada2_moe models, else prompt)
-    confidence: str = "auto"  # auto | logits | sampling (auto: sampling for llada2_moe models, else logits)
-
-    @property
-    def n_blocks(self) -> int:
-        """Semi-autoregressive blocks: gen_length / block_length."""
-        return self.gen_length // self.block_length
-
-    @property
-    def total_steps(self) -> int:
-        """Refinement steps over all blocks (`steps`, or gen_length when unset)."""
-        return self.gen_length if self.steps is None else self.steps
-
-    def replace(self, **changes: Any) -> SamplerConfig:
-        """A copy with `changes` (a frozen dataclass: the original is never mutated)."""
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -150,39 +104,12 @@ def _need(ok: bool, msg: str) -> None:
         raise SamplerError(msg)
 
 
-def validate(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]]) -> None:
-    """Raise SamplerError naming the first problem. Cheap: runs before any tracing."""
-    check_settings(sc)
-    check_prompts(cfg, sc, prompts)
-
-
-def check_settings(sc: SamplerConfig) -> None:
-    """The sampler settings alone (no model needed)."""
-    need = _need
-    need(isinstance(sc.gen_length, int) and sc.gen_length > 0, f"gen_length must be a positive integer, got "
-         f"{sc.gen_length!r}")
-    need(isinstance(sc.block_length, int) and sc.block_length > 0,
-         f"block_length must be a positive integer, got {sc.block_length!r}")
-    need(sc.gen_length % sc.block_length == 0,
-         f"gen_length ({sc.gen_length}) must be a multiple of block_length ({sc.block_length})")
-    need(isinstance(sc.total_steps, int) and sc.total_steps >= sc.n_blocks,
-         f"steps ({sc.total_steps}) must be at least the number of blocks "
-         f"(gen_length / block_length = {sc.n_blocks})")
-    need(sc.remasking in REMASKING, f"unknown remasking strategy {sc.remasking!r}; choose one of {tuple(REMASKING)}")
-    need(sc.cache in ("auto", *CACHE_MODES),
-         f"unknown cache mode {sc.cache!r}; choose one of {('auto', *CACHE_MODES)}")
-    need(sc.threshold == 0 or 0 < sc.threshold <= 1, f"threshold must be in (0, 1] (or 0 = off), got {sc.threshold}")
-    need(sc.entropy_bound >= 0 and math.isfinite(sc.entropy_bound),
-         f"entropy_bound must be >= 0 (0 = off), got {sc.entropy_bound}")
-    need(sc.temperature >= 0 and math.isfinite(sc.temperature), f"temperature must be >= 0, got {sc.temperature}")
-    need(0 < sc.top_p <= 1, f"top_p must be in (0, 1], got {sc.top_p}")
-    need(isinstance(sc.top_k, int) and sc.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {sc.top_k!r}")
-    need(sc.cfg_scale >= 0 and math.isfinite(sc.cfg_scale), f"cfg_scale must be >= 0, got {sc.cfg_scale}")
-    need(isinstance(sc.seed, int), f"seed must be an integer, got {sc.seed!r}")
-    need(sc.block_grid in ("auto", *BLOCK_GRIDS),
-         f"unknown block grid {sc.block_grid!r}; choose one of {('auto', *BLOCK_GRIDS)}")
-    need(sc.confidence in ("auto", *CONFIDENCES),
-         f"unknown confidence rule {sc.confidence!r}; choose one of {('auto', *CONFIDENCES)}")
+def validate(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]],
+             spell: Mapping[str, str] | None = None) -> None:
+    """Raise SamplerError naming the first problem (settings spelt as `spell` has them, `settings.FLAGS` on the
+    command line). Cheap: runs before any tracing."""
+    check_settings(sc, spell)
+    check_prompts(cfg, sc, prompts, spell)
 
 
 def check_model(cfg: ModelConfig) -> None:
@@ -192,27 +119,33 @@ def check_model(cfg: ModelConfig) -> None:
           "models block-causally (attention='block_causal')")
 
 
-def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]]) -> None:
+def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]],
+                  spell: Mapping[str, str] | None = None, labels: Sequence[Any] | None = None) -> None:
     """A model the sampler can run, token ids inside the vocabulary and prompt + generation within the
-    model's length."""
+    model's length. `labels`: what to call each prompt in a message (default its index); `spell` as for
+    `validate`."""
     need = _need
+    name = (lambda n: (spell or {}).get(n, n))
     check_model(cfg)
-    need(not cfg.is_bd_gdn or sc.block_length <= cfg.block_size,
-         f"block_length {sc.block_length} is longer than the model's blocks ({cfg.block_size}): its block-diffusion "
-         f"Gated DeltaNet layers see one block at a time; use block_length <= {cfg.block_size}")
+    if cfg.is_bd_gdn and sc.block_length > cfg.block_size:
+        raise SamplerError(f"{name('block_length')} {sc.block_length} is longer than the model's blocks "
+                           f"({cfg.block_size}): its block-diffusion Gated DeltaNet layers see one block at a time; "
+                           f"use {name('block_length')} <= {cfg.block_size}", setting="block_length",
+                           param=name("block_length"))
     need(len(prompts) > 0, "no prompts given")
     for i, pr in enumerate(prompts):
-        need(len(pr) > 0, f"prompt {i} is empty")
+        label = f"prompt {labels[i]!r}" if labels is not None else f"prompt {i}"
+        need(len(pr) > 0, f"{label} is empty")
         arr = np.asarray(pr)
-        need(np.issubdtype(arr.dtype, np.integer), f"prompt {i} must hold integer token ids")
+        need(np.issubdtype(arr.dtype, np.integer), f"{label} must hold integer token ids")
         lo, hi = int(arr.min()), int(arr.max())
         need(lo >= 0 and hi < cfg.vocab_size,
-             f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {cfg.vocab_size})")
+             f"{label} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {cfg.vocab_size})")
         total = len(pr) + sc.gen_length
         if resolve_rule(cfg, "block_grid", sc.block_grid) == "absolute":  # the last block is generated whole
             total = -(-total // sc.block_length) * sc.block_length
         need(total <= cfg.max_seq_len,
-             f"prompt {i} has {len(pr)} tokens; with gen_length {sc.gen_length} that is "
+             f"{label} has {len(pr)} tokens; with {name('gen_length')} {sc.gen_length} that is "
              f"{total} > the model's max_seq_len {cfg.max_seq_len}")
 
 
@@ -305,7 +238,7 @@ def compiled_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, bat
     from_disk = False
     disk = compile_cache.directory() is not None and not spec.progress and spec.mesh is None
     if on_compile is not None:
-        on_compile(f"compiling the sampler for {spec.batch} x {spec.prompt_len + spec.gen_length} tokens "
+        on_compile(f"compiling the sampler for {spec.batch} x {spec.prompt_len + spec.gen_columns} tokens "
                    + ("(or loading it from the compile cache) ..." if disk else "(once per shape) ..."))
     if disk:
         exe, from_disk = _cached_program(spec, forward_fn, args)
@@ -337,34 +270,6 @@ def _cached_program(spec: ProgramSpec, forward_fn: ForwardFn, args: tuple) -> tu
         return ProgramOut(*out[:4], out[4] if has_logits else None)
 
     return call, from_disk
-
-
-def resolve_cache(cfg: ModelConfig, cache: str) -> str:
-    """`auto` -> the fastest exact mode: prefix for block-causal models, none for bidirectional ones.
-    Block-causal `dual` is the `prefix` program (later blocks are invisible anyway)."""
-    if cache == "auto":
-        return "prefix" if cfg.is_block_causal else "none"
-    return "prefix" if (cache == "dual" and cfg.is_block_causal) else cache
-
-
-def resolve_rule(cfg: ModelConfig, name: str, value: str) -> str:
-    """`auto` -> the family's rule for `name`: block_grid by `masks.resolve_block_grid` (the rule training
-    shares), confidence by `FAMILY_DEFAULTS` (else logits); anything else is returned as given."""
-    if name == "block_grid":
-        return masks.resolve_block_grid(cfg, value)
-    if value != "auto":
-        return value
-    return FAMILY_DEFAULTS.get(cfg.family, {}).get(name, CONFIDENCES[0])
-
-
-def knobs_for(sc: SamplerConfig, cfg: ModelConfig, n_blocks: int | None = None) -> Knobs:
-    """The traced knobs of a request (changing them never recompiles); `n_blocks`: the program's blocks
-    when the absolute grid adds one (the steps per block stay those of `sc`)."""
-    steps = sc.total_steps if n_blocks is None else (sc.total_steps // sc.n_blocks) * n_blocks
-    return make_knobs(steps=steps, temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k,
-                      threshold=sc.threshold, entropy_bound=sc.entropy_bound, cfg_scale=sc.cfg_scale,
-                      remasking=remasking_index(sc.remasking), eos_stop=sc.eos_stop, seed=sc.seed,
-                      sampled_confidence=resolve_rule(cfg, "confidence", sc.confidence) == "sampling")
 
 
 @dataclass(frozen=True)
@@ -413,7 +318,7 @@ def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfi
     spec = ProgramSpec(cfg, inputs.prompt.shape[0], inputs.prompt.shape[1], g, sc.block_length, cache,
                        guidance=sc.cfg_scale > 0, progress=progress, record_logits=record_logits,
                        mesh=mesh, block_grid=grid)
-    return Prepared(spec, forward_fn, inputs, knobs_for(sc, cfg, g // sc.block_length))
+    return Prepared(spec, forward_fn, inputs, knobs(sc, cfg))
 
 
 def generate(

@@ -20,7 +20,7 @@ Cache modes (W = width of the window each step runs, NFE = forward passes):
           block j against the cache. Exact. Bidirectional: the first step of each block is a full
           pass that refreshes the whole cache; later steps run [block j .. end] against the refreshed
           prefix, in the narrowest of the static widths L, 2L, 4L, ..., G that holds it
-          (`window_widths`; the cache has G extra padding columns for the overhang). Approximate.
+          (`step.pow2_widths`; the cache has G extra padding columns for the overhang). Approximate.
   dual    block-causal: same as prefix (later blocks are invisible anyway). Exact.
           Bidirectional: refresh at block start, then run only block j against the stale prefix
           and suffix (Fast-dLLM's dual cache). Approximate.
@@ -46,40 +46,14 @@ import numpy as np
 
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
-from clover_jax.model import masks, transformer
-from clover_jax.sampler.scoring import fill_after_end, guide, sample_and_score, select_commits, transfer_count
+from clover_jax.model import masks
+from clover_jax.model.forward_fn import ForwardFn
+from clover_jax.sampler import step as denoise
+from clover_jax.sampler.scoring import guide
+from clover_jax.sampler.settings import BLOCK_GRIDS, CACHE_MODES, Knobs
 
 Array = jax.Array
-CACHE_MODES = ("none", "prefix", "dual")
-BLOCK_GRIDS = masks.BLOCK_GRIDS
-
-# forward_fn(weights, tokens [R, W], positions [R, W], mask [R, W, S], cache | None, cache_offset,
-#            logits_start, logits_len) -> (logits [R, logits_len, V] float32, cache | None)
-ForwardFn = Callable[..., tuple[Array, Any]]
-# init_cache_fn(rows, length) -> cache pytree
-InitCacheFn = Callable[[int, int], Any]
-
-
-@dataclass(frozen=True)
-class ModelForward:
-    """The real model as the sampler's forward function (hashable, so programs can be cached)."""
-
-    cfg: ModelConfig
-    dispatch: str | None = None
-    mesh: MeshRules | None = None
-
-    def __call__(self, weights: Any, tokens: Array, positions: Array, mask: Array, cache: Any,
-                 cache_offset: Array, logits_start: Array | int, logits_len: int, *, valid: Array | None = None,
-                 blocks: Array | None = None, commit: Array | int | None = None) -> tuple[Array, Any]:
-        """valid / blocks / commit: for Gated DeltaNet layers (hybrid configs), see `transformer.forward`."""
-        out = transformer.forward(weights, self.cfg, tokens, positions, mask, cache, cache_offset,
-                                  logits_start=logits_start, logits_len=logits_len, dispatch=self.dispatch,
-                                  mesh=self.mesh, valid=valid, blocks=blocks, commit=commit)
-        return out.logits, out.cache
-
-    def init_cache(self, rows: int, length: int) -> transformer.KVCache:
-        """A zeroed K/V cache of `rows` x `length` columns for every layer."""
-        return transformer.init_cache(self.cfg, rows, length)
+__all__ = ["BLOCK_GRIDS", "CACHE_MODES", "ProgramOut", "ProgramSpec", "run_program", "set_progress_sink"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +63,7 @@ class ProgramSpec:
     model: ModelConfig
     batch: int  # batch bucket B
     prompt_len: int  # prompt bucket P
-    gen_length: int  # G
+    gen_columns: int  # G: the generated columns (gen_length, one block more on an absolute grid with a prompt tail)
     block_length: int  # L
     cache: str = "none"
     guidance: bool = False  # classifier-free guidance doubles the rows; its scale stays dynamic
@@ -100,14 +74,14 @@ class ProgramSpec:
 
     @property
     def n_blocks(self) -> int:
-        """Generated blocks: gen_length / block_length."""
-        return self.gen_length // self.block_length
+        """Generated blocks: gen_columns / block_length."""
+        return self.gen_columns // self.block_length
 
     @property
     def extra_columns(self) -> int:
         """Padding columns after the canvas: G for a bidirectional model's prefix cache (its fixed-width
         [block j .. end] windows overhang the canvas), else 0."""
-        return self.gen_length if (self.cache == "prefix" and not self.model.is_block_causal) else 0
+        return self.gen_columns if (self.cache == "prefix" and not self.model.is_block_causal) else 0
 
     @property
     def model_rows(self) -> int:
@@ -117,33 +91,7 @@ class ProgramSpec:
     @property
     def cache_columns(self) -> int:
         """Columns of the cache the program allocates (P + G + `extra_columns`); 0 with cache `none`."""
-        return 0 if self.cache == "none" else self.prompt_len + self.gen_length + self.extra_columns
-
-
-class Knobs(NamedTuple):
-    """Traced sampling settings: changing any of them reuses the compiled program."""
-
-    steps: Array  # int32, total refinement steps (split evenly over blocks)
-    temperature: Array  # float32, 0 = greedy
-    top_p: Array  # float32, 1 = off
-    top_k: Array  # int32, 0 = off
-    threshold: Array  # float32, 0 = off
-    entropy_bound: Array  # float32, 0 = off
-    cfg_scale: Array  # float32 (used only by a guidance program)
-    remasking: Array  # int32 scoring.remasking_index of the strategy
-    eos_stop: Array  # bool
-    seed: Array  # uint32
-    sampled_confidence: Array  # bool: confidence from the tempered, filtered distribution (`scoring.sample`)
-
-
-def make_knobs(*, steps: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               threshold: float = 0.0, entropy_bound: float = 0.0, cfg_scale: float = 0.0,
-               remasking: int = 0, eos_stop: bool = True, seed: int = 0,
-               sampled_confidence: bool = False) -> Knobs:
-    """Host arrays with fixed dtypes, so every call hits the same compiled signature."""
-    return Knobs(np.int32(steps), np.float32(temperature), np.float32(top_p), np.int32(top_k),
-                 np.float32(threshold), np.float32(entropy_bound), np.float32(cfg_scale),
-                 np.int32(remasking), np.bool_(eos_stop), np.uint32(seed % 2**32), np.bool_(sampled_confidence))
+        return 0 if self.cache == "none" else self.prompt_len + self.gen_columns + self.extra_columns
 
 
 class ProgramOut(NamedTuple):
@@ -171,17 +119,6 @@ def _emit(tokens: np.ndarray, block: np.ndarray, nfe: np.ndarray) -> None:
         fn(np.asarray(tokens), int(block), int(nfe))
 
 
-def window_widths(gen_length: int, block_length: int) -> tuple[int, ...]:
-    """The static widths of the bidirectional prefix cache's [block j .. end] windows: L, 2L, 4L, ...
-    below G, then G. A window runs in the narrowest one that holds it, so later blocks cost less (one
-    compiled branch per width, chosen at run time)."""
-    out, w = [], block_length
-    while w < gen_length:
-        out.append(w)
-        w *= 2
-    return (*out, gen_length)
-
-
 def _dslice(x: Array, start: Array | int, size: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
@@ -205,14 +142,14 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     filler row), start [B, G] the generated columns' first tokens: the mask token, after the prompt's
     tail on an absolute block grid (a filler row: any other token, so that it is done from the start)."""
     cfg = spec.model
-    b, p, g, bl = spec.batch, spec.prompt_len, spec.gen_length, spec.block_length
+    b, p, g, bl = spec.batch, spec.prompt_len, spec.gen_columns, spec.block_length
     t = p + g
     n_blocks = spec.n_blocks
     mode = spec.cache
     bidir = not cfg.is_block_causal
     extra = spec.extra_columns  # fixed-width [block j .. end] windows
     s = t + extra
-    mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
+    mask_id = cfg.mask_token_id
     # prompt blocks: the model's blocks, or on the absolute grid the sampler's (LLaDA2 lays both from position 0)
     prompt_block = bl if spec.block_grid == "absolute" else cfg.block_size
 
@@ -237,42 +174,22 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
 
     def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int,
              commit: Array | int | None = None) -> tuple[Array, Any]:
-        toks = _dslice(model_rows(cv), lo, width)
-        qv, qi = _dslice(valid_r, lo, width), _dslice(ids_r, lo, width)
-        kv, ki = (valid_r, ids_r) if cache is not None else (qv, qi)
-        mask = masks.attention_mask(qv, qi, kv, ki, cfg.is_block_causal)
-        # Gated DeltaNet layers also need the window's valid columns, its block ids and how many of its
-        # columns are final (their state is written back only that far).
-        linear = dict(valid=qv, blocks=qi, commit=commit) if cfg.is_hybrid else {}
-        logits, cache = forward_fn(weights, toks, _dslice(pos_r, lo, width), mask, cache,
-                                   jnp.asarray(lo, jnp.int32), logits_start, bl, **linear)
-        logits = logits.astype(jnp.float32)
+        logits, cache = denoise.window_pass(forward_fn, weights, cfg, model_rows(cv), valid_r, ids_r, pos_r, cache,
+                                            lo, width, logits_start, bl, commit)
         if spec.guidance:
             logits = guide(logits[:b], logits[b:], knobs.cfg_scale)
         return logits, cache
 
-    spb = jnp.maximum(knobs.steps // n_blocks, 1)
-
-    def eos_fill(cv: Array) -> Array:
-        gen = fill_after_end(cv[:, p:t], eos_id, mask_id, knobs.eos_stop)
-        return jax.lax.dynamic_update_slice_in_dim(cv, gen, p, axis=1)
-
     def commit(st: _State, logits: Array) -> _State:
-        lo = p + st.block * bl
         key, k_draw, k_score = jax.random.split(st.key, 3)
-        blk = _dslice(st.canvas, lo, bl)
-        masked = blk == mask_id
-        drawn, scores = sample_and_score(logits, k_draw, k_score, knobs.temperature, knobs.top_k, knobs.top_p,
-                                         mask_id, knobs.sampled_confidence, knobs.remasking,
-                                         knobs.entropy_bound > 0)
-        n = transfer_count(st.n_sched, spb, st.step)
-        chosen = select_commits(scores, masked, n, knobs.threshold, knobs.entropy_bound)
-        cv = jax.lax.dynamic_update_slice_in_dim(st.canvas, jnp.where(chosen, drawn, blk), lo, axis=1)
-        cv = eos_fill(cv)
+        gen, chosen = denoise.commit(logits, st.canvas[:, p:t], st.block * bl, knobs, k_draw, k_score, st.n_sched,
+                                     st.step, cfg)
+        cv = jax.lax.dynamic_update_slice_in_dim(st.canvas, gen, p, axis=1)
         rec = st.logits
         if spec.record_logits:
-            old = jax.lax.dynamic_slice_in_dim(rec, lo - p, bl, axis=1)
-            rec = jax.lax.dynamic_update_slice_in_dim(rec, jnp.where(chosen[..., None], logits, old), lo - p, axis=1)
+            old = jax.lax.dynamic_slice_in_dim(rec, st.block * bl, bl, axis=1)
+            rec = jax.lax.dynamic_update_slice_in_dim(rec, jnp.where(chosen[..., None], logits, old), st.block * bl,
+                                                      axis=1)
         if spec.progress:
             jax.debug.callback(_emit, cv[:, p:t], st.block, st.nfe + 1, ordered=single_device)
         return st._replace(canvas=cv, logits=rec, key=key, step=st.step + 1, nfe=st.nfe + 1,
@@ -281,39 +198,36 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     def block_masked(cv: Array, blk_idx: Array) -> Array:
         return _dslice(cv, p + blk_idx * bl, bl) == mask_id
 
-    def first_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
-        if bidir:  # refresh the whole cache from the current canvas, score block j from the same pass
-            return call(cv, cache, 0, t, lo)
-        if cfg.is_hybrid:
-            # The Gated DeltaNet state must advance over block j-1 exactly once: block j > 0 runs
-            # [block j-1, block j] from the state before block j-1 and keeps the state after block j-1
-            # (commit = L). Block 0 has nothing to commit (the prefill did the prompt): `step` gives
-            # its first pass to `later_forward`.
-            return call(cv, cache, lo - bl, 2 * bl, bl, commit=bl)
-        # block-causal: re-encode block j-1 (now final) into the cache and score block j in one pass
-        return call(cv, cache, lo - bl, 2 * bl, bl)
+    widths = denoise.pow2_widths(g, bl)
 
-    widths = window_widths(g, bl)
+    def refresh(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
+        # bidirectional, a block's first step: refresh the whole cache from the current canvas, score block j
+        return call(cv, cache, 0, t, lo)
 
-    def later_forward(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
-        if bidir and mode == "prefix":
-            # [block j .. end] in the narrowest static width that holds it (the rest is padding)
-            which = jnp.searchsorted(jnp.asarray(widths), t - lo)
-            branches = [lambda c, k, x, w=w: call(c, k, x, w, 0) for w in widths]
-            return jax.lax.switch(which, branches, cv, cache, lo)
-        return call(cv, cache, lo, bl, 0, commit=0)  # block j is not final: the Gated DeltaNet state stays
+    def suffix(cv: Array, cache: Any, lo: Array) -> tuple[Array, Any]:
+        # bidirectional prefix: [block j .. end] in the narrowest static width that holds it (the rest is padding)
+        which = jnp.searchsorted(jnp.asarray(widths), t - lo)
+        branches = [lambda c, k, x, w=w: call(c, k, x, w, 0) for w in widths]
+        return jax.lax.switch(which, branches, cv, cache, lo)
 
     def step(st: _State) -> _State:
         lo = p + st.block * bl
         if mode == "none":
             logits, _ = call(st.canvas, None, 0, t, lo)
             return commit(st, logits)
-        first = (st.step == 0) & (lo > p) if cfg.is_hybrid else st.step == 0
-        logits, cache = jax.lax.cond(first, first_forward, later_forward, st.canvas, st.cache, lo)
+        if bidir:
+            later = suffix if mode == "prefix" else (lambda cv, c, lo: call(cv, c, lo, bl, 0))
+            logits, cache = jax.lax.cond(st.step == 0, refresh, later, st.canvas, st.cache, lo)
+        else:
+            # block-causal: [block j-1, block j] at the block's first step (block j-1 final), then block j alone
+            first = lambda cv, c: call(cv, c, lo - bl, 2 * bl, bl, commit=bl)
+            refine = lambda cv, c: call(cv, c, lo, bl, 0, commit=0)
+            logits, cache, _ = denoise.cached_pass(cfg, bl, first, refine, st.canvas, st.cache, st.step == 0,
+                                                   st.block == 0)
         return commit(st._replace(cache=cache), logits)
 
     def inner_cond(st: _State) -> Array:
-        return (st.step < spb) & jnp.any(block_masked(st.canvas, st.block))
+        return (st.step < knobs.steps_per_block) & jnp.any(block_masked(st.canvas, st.block))
 
     def block_body(st: _State) -> _State:
         # Every unfinished row has masks in block j when it starts, so step 0 (which, with a cache,
@@ -332,7 +246,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     cache = None
     nfe = jnp.int32(0)
     if mode != "none":
-        init = forward_fn.init_cache if hasattr(forward_fn, "init_cache") else None
+        init = getattr(forward_fn, "init_cache", None)
         if init is None:
             raise TypeError("cache modes need a forward function with an init_cache(rows, length) method")
         cache = init(n_rows, s)

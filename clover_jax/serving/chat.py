@@ -34,18 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clover_jax.serving.field_error import FieldError
 from clover_jax.serving.tool_parse import CLOSE, OPEN
 from clover_jax.serving.tools import ToolSpec
 from clover_jax.tokenizer import Tokenizer
 from clover_jax.tokenizer.chat_template import render_chat_template
-
-
-class MessageError(ValueError):
-    """A `messages` value that is not a list of {role, content} objects; `param` names the bad field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -82,59 +75,59 @@ class Message:
 
 def parse_messages(messages: Any) -> list[Message]:
     """The turns of an OpenAI `messages` list. Content may be a string, null (empty) or a list of parts
-    of which the {"type": "text", "text": ...} ones are joined. Raises MessageError."""
+    of which the {"type": "text", "text": ...} ones are joined. Raises FieldError."""
     if not isinstance(messages, list) or not messages:
-        raise MessageError("messages must be a non-empty list of {role, content} objects", "messages")
+        raise FieldError("messages must be a non-empty list of {role, content} objects", "messages")
     return [_parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
 
 
 def _parse_message(message: Any, where: str) -> Message:
     if not isinstance(message, dict):
-        raise MessageError(f"{where} must be an object with role and content", where)
+        raise FieldError(f"{where} must be an object with role and content", where)
     role = message.get("role")
     if not isinstance(role, str) or not role:
-        raise MessageError(f"{where}.role must be a non-empty string", f"{where}.role")
+        raise FieldError(f"{where}.role must be a non-empty string", f"{where}.role")
     content = _content_text(message.get("content"), f"{where}.content")
     name = message.get("name")
     if name is not None and not isinstance(name, str):
-        raise MessageError(f"{where}.name must be a string", f"{where}.name")
+        raise FieldError(f"{where}.name must be a string", f"{where}.name")
     calls: tuple[CallMessage, ...] = ()
     if message.get("tool_calls") is not None:
         if role != "assistant":
-            raise MessageError(f"{where}.tool_calls is only allowed in assistant messages", f"{where}.tool_calls")
+            raise FieldError(f"{where}.tool_calls is only allowed in assistant messages", f"{where}.tool_calls")
         calls = _parse_calls(message["tool_calls"], f"{where}.tool_calls")
     call_id = message.get("tool_call_id")
     if role == "tool" and (not isinstance(call_id, str) or not call_id):
-        raise MessageError(f"{where}.tool_call_id is required in tool messages (the id of the call answered)",
+        raise FieldError(f"{where}.tool_call_id is required in tool messages (the id of the call answered)",
                            f"{where}.tool_call_id")
     if call_id is not None and not isinstance(call_id, str):
-        raise MessageError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        raise FieldError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
     return Message(role, content, calls, call_id if role == "tool" else None, name)
 
 
 def _parse_calls(value: Any, where: str) -> tuple[CallMessage, ...]:
     if not isinstance(value, list):
-        raise MessageError(f"{where} must be a list of tool calls", where)
+        raise FieldError(f"{where} must be a list of tool calls", where)
     out = []
     for i, call in enumerate(value):
         at = f"{where}[{i}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise MessageError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+            raise FieldError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
                                "\"arguments\"}}}}", at)
         if call.get("type", "function") != "function":
-            raise MessageError(f"{at}.type must be \"function\"", f"{at}.type")
+            raise FieldError(f"{at}.type must be \"function\"", f"{at}.type")
         call_id = call.get("id", "")
         if not isinstance(call_id, str):
-            raise MessageError(f"{at}.id must be a string", f"{at}.id")
+            raise FieldError(f"{at}.id must be a string", f"{at}.id")
         args = function.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise MessageError(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
+                raise FieldError(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
         if not isinstance(args, dict):
-            raise MessageError(f"{at}.function.arguments must be a JSON object (or a string holding one)",
+            raise FieldError(f"{at}.function.arguments must be a JSON object (or a string holding one)",
                                f"{at}.function.arguments")
         out.append(CallMessage(call_id, function["name"], args))
     return tuple(out)
@@ -149,11 +142,11 @@ def _content_text(content: Any, where: str) -> str:
         texts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise MessageError(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}",
+                raise FieldError(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}",
                                    f"{where}[{i}]")
             texts.append(part["text"])
         return "".join(texts)
-    raise MessageError(f"{where} must be a string or a list of text parts", where)
+    raise FieldError(f"{where} must be a string or a list of text parts", where)
 
 
 # --- the plain format ------------------------------------------------------------------------------

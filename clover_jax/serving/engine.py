@@ -20,7 +20,6 @@ Contract:
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
@@ -34,10 +33,10 @@ import numpy as np
 
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model.forward_fn import ForwardFn, ModelForward
 from clover_jax.model.moe import choose_dispatch
-from clover_jax.sampler.generate import resolve_rule
-from clover_jax.sampler.program import ForwardFn, ModelForward
-from clover_jax.sampler.scoring import remasking_index
+from clover_jax.sampler.settings import knobs, resolve_cache
+from clover_jax.sampler.step import pow2_widths
 from clover_jax.serving import program
 from clover_jax.serving.requests import Draining, Event, QueueFull, Request, ServingError
 
@@ -136,16 +135,15 @@ class Engine:
             need(all(b % data == 0 for b in sizes),
                  f"batch sizes {list(sizes)} must be multiples of the mesh's data axis ({data})")
         self.batch_sizes = sizes
-        mode = "prefix" if self.cache in ("auto", "dual") else self.cache
-        need(mode in program.SERVE_CACHE_MODES,
+        need(self.cache in ("auto", "dual", *program.SERVE_CACHE_MODES),
              f"unknown cache mode {self.cache!r}; choose one of auto, {', '.join(program.SERVE_CACHE_MODES)}")
-        self.cache = mode
+        self.cache = resolve_cache(cfg, self.cache)
         need(self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}")
         if self.forward_fn is None:
             if self.dispatch is None and self.mesh is not None:  # on a mesh: its expert-parallel strategy
                 self.dispatch = choose_dispatch(self.mesh)
             self.forward_fn = ModelForward(cfg, self.dispatch, self.mesh)
-        self.widths = program.prefill_widths(self.columns - bl, bl)
+        self.widths = pow2_widths(self.columns - bl, bl)  # the prompt widths a new row is prefilled in
         self._queue: collections.deque[_Job] = collections.deque()
         self._slots: list[_Job | None] = [None] * sizes[-1]
         self._by_id: dict[int, _Job] = {}
@@ -168,37 +166,51 @@ class Engine:
         """Rows: the largest batch bucket."""
         return self.batch_sizes[-1]
 
+    def programs(self, weights: Any, state: program.SlotState) -> dict[tuple[str, int], tuple[Any, tuple]]:
+        """Every program the engine runs, as {key: (jitted function, its arguments)}: ("block", rows) per batch
+        bucket, ("prefill", width) per prompt width (one, ("prefill", 0), with cache none) and ("move", 0). `weights`
+        and `state` may be concrete (`warm_up` compiles them to run) or abstract (`clover plan --serve` compiles
+        them for a TPU slice): both compile the same functions with the same shardings."""
+        cfg, fwd, bl, mode, mesh = self.cfg, self.forward_fn, self.block_length, self.cache, self.mesh
+        out: dict[tuple[str, int], tuple[Any, tuple]] = {}
+        for b in self.batch_sizes:
+            out["block", b] = (program.block_program(cfg, fwd, bl, mode, b, state, mesh),
+                               (weights, state, jax.ShapeDtypeStruct((b,), jnp.bool_)))
+        for w in (self.widths if mode == "prefix" else (0,)):
+            out["prefill", w] = (program.prefill_program(cfg, fwd, bl, mode, w, state, mesh),
+                                 (weights, state, *program.row_args(state)))
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        out["move", 0] = (program.move_program(state, mesh), (state, scalar, scalar))
+        return out
+
+    def describe(self, key: tuple[str, int]) -> str:
+        """What a program of `programs` is, in words."""
+        kind, n = key
+        if kind == "block":
+            return f"block program for {n} row{'s' if n > 1 else ''} x {self.columns} columns ({self.cache} cache)"
+        if kind == "prefill":
+            return f"prefill program for prompts up to {n} tokens" if self.cache == "prefix" else "row program"
+        return "row move program"
+
     def warm_up(self, log: Callable[[str], None] | None = None) -> None:
-        """Compile every program (idempotent); `log` gets one line per program with its compile time."""
+        """Compile every program of `programs` (idempotent); `log` gets one line per block and prefill program
+        with its compile time."""
         if self._move is not None:
             return
         say = log or (lambda _msg: None)
-        cfg, fwd, bl, mode, s = self.cfg, self.forward_fn, self.block_length, self.cache, self.columns
         state = self._empty_state()
-        # on a mesh every program hands the state back where it took it from (rows over the data axis)
-        where = None if self.mesh is None else program.state_shardings(state, self.mesh)
-        anywhere = None if self.mesh is None else self.mesh.sharding(())
-
-        def compile_(fn: Callable[..., Any], donate: int, out: Any, *args: Any) -> Any:
-            kw = {} if self.mesh is None else {"out_shardings": out}
-            return jax.jit(fn, donate_argnums=(donate,), **kw).lower(*args).compile()
-
-        row = (jnp.int32(0), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), bool), jnp.zeros((s,), jnp.int32),
-               self._row_knobs(Request(prompt=(0,), max_tokens=1)))
-        for b in self.batch_sizes:
+        for key, (fn, args) in self.programs(self.weights, state).items():
             t0 = time.perf_counter()
-            fn = functools.partial(program.advance, cfg, fwd, bl, mode, b)
-            self._advance[b] = compile_(fn, 1, (where, program.BlockOut(*[anywhere] * 5)), self.weights, state,
-                                        jnp.ones((b,), bool))
-            say(f"block program for {b} row{'s' if b > 1 else ''} x {s} columns ({mode} cache): "
-                f"{time.perf_counter() - t0:.1f} s")
-        for w in (self.widths if mode == "prefix" else (0,)):
-            t0 = time.perf_counter()
-            fn = functools.partial(program.admit, cfg, fwd, bl, mode, w)
-            self._admit[w] = compile_(fn, 1, where, self.weights, state, *row)
-            if mode == "prefix":
-                say(f"prefill program for prompts up to {w} tokens: {time.perf_counter() - t0:.1f} s")
-        self._move = compile_(program.move, 0, where, state, jnp.int32(0), jnp.int32(0))
+            exe = fn.lower(*args).compile()
+            kind, n = key
+            if kind == "block":
+                self._advance[n] = exe
+            elif kind == "prefill":
+                self._admit[n] = exe
+            else:
+                self._move = exe
+            if kind == "block" or (self.cache == "prefix" and kind == "prefill"):
+                say(f"{self.describe(key)}: {time.perf_counter() - t0:.1f} s")
         self._state = state
 
     def _empty_state(self) -> program.SlotState:
@@ -206,13 +218,6 @@ class Engine:
         state = program.empty_state(self.cfg, self.forward_fn, self.capacity, self.columns, self.block_length,
                                     self.cache)
         return state if self.mesh is None else jax.device_put(state, program.state_shardings(state, self.mesh))
-
-    def _row_knobs(self, req: Request, n_blocks: int = 1) -> program.RowKnobs:
-        return program.RowKnobs(
-            np.float32(req.temperature), np.float32(req.top_p), np.int32(req.top_k), np.float32(req.threshold),
-            np.int32(req.steps or self.block_length), np.int32(remasking_index(req.remasking)), np.bool_(req.eos_stop),
-            np.uint32(req.seed % 2**32), np.int32(n_blocks),
-            np.bool_(resolve_rule(self.cfg, "confidence", "auto") == "sampling"))  # the family's rule (LLaDA2)
 
     def _row(self, prompt: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A new row's canvas / valid / block ids [S]: the prompt right before the first block of masks."""
@@ -231,7 +236,7 @@ class Engine:
 
     def submit(self, req: Request, on_event: Callable[[Event], None]) -> int:
         """Queue `req`; see the module docstring. Raises BadRequest, QueueFull or Draining."""
-        req.check(self.block_length, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
+        req.check(self.block_length, self.cache, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
@@ -333,8 +338,9 @@ class Engine:
     def _prefill(self, slot: int, job: _Job) -> None:
         canvas, valid, ids = self._row(job.req.prompt)
         width = next(w for w in self.widths if w >= len(job.req.prompt)) if self.cache == "prefix" else 0
-        self._state = self._admit[width](self.weights, self._state, np.int32(slot), canvas, valid, ids,
-                                         self._row_knobs(job.req, job.n_blocks))
+        row = knobs(job.req.row_settings(self.block_length), self.cfg)
+        self._state = self._admit[width](self.weights, self._state, np.int32(slot), canvas, valid, ids, row,
+                                         np.int32(job.n_blocks))
 
     def _block(self, running: list[_Job | None]) -> None:
         n = len(running)

@@ -1,25 +1,28 @@
 """What a serving client asks for and what it gets back, independent of HTTP.
 
-`Request` is one generation (one OpenAI "choice"): token ids and the sampler settings that stay
-dynamic in the serving program, so requests with different settings share a batch. `Event` is what
-the engine reports to a request after every block it committed: a block is final once committed
-(block-causal attention never revisits it), so each event's tokens can be streamed at once.
+`Request` is one generation (one OpenAI "choice"): token ids, a length, and the sampler settings
+(`sampler.settings.SamplerConfig`) that stay dynamic in the serving program, so requests with different settings
+share a batch. `Event` is what the engine reports to a request after every block it committed: a block is final
+once committed (block-causal attention never revisits it), so each event's tokens can be streamed at once.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from clover_jax.errors import CloverError
-from clover_jax.sampler.scoring import REMASKING
-
-MAX_INT32 = 2**31 - 1  # top_k travels to the device as an int32
+from clover_jax.errors import CloverError, SamplerError
+from clover_jax.sampler.settings import SETTINGS, SamplerConfig, check_settings
 
 
 class ServingError(CloverError):
-    """A request the engine cannot take (the HTTP layer answers it with a 4xx)."""
+    """A request the engine cannot take (the HTTP layer answers it with a 4xx). `param`: the request field at
+    fault, when one is."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class BadRequest(ServingError):
@@ -34,46 +37,63 @@ class Draining(ServingError):
     """The engine is shutting down and admits nothing new: HTTP 503."""
 
 
+# What a request may not set: the engine's compiled program fixes them (block_length and cache are the engine's;
+# a request's length is its max_tokens), and guidance would need twice the rows.
+FIXED = ("gen_length", "block_length", "cache", "block_grid", "cfg_scale")
+
+
 @dataclass(frozen=True)
 class Request:
-    """One generation. `max_tokens` is rounded up to whole blocks inside the engine; the tokens it
-    reports never exceed `max_tokens`."""
+    """One generation: its prompt, at most `max_tokens` tokens (rounded up to whole blocks inside the engine; the
+    tokens it reports never exceed `max_tokens`), and the sampler settings it runs with (`sampling`: its traced
+    settings; the engine fixes those of `FIXED`, which must be left at their defaults or set to the engine's own
+    values). `sampling.steps_per_block` defaults to block_length: one token a step."""
 
     prompt: tuple[int, ...]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    threshold: float = 0.0  # > 0: also commit every masked position whose confidence exceeds it
-    steps: int | None = None  # refinement steps per block; None = block_length (one token a step)
-    remasking: str = "low_confidence"
-    seed: int = 0
-    eos_stop: bool = True
+    sampling: SamplerConfig = field(default_factory=SamplerConfig)
 
-    def check(self, block_length: int, vocab_size: int, max_prompt: int, max_tokens: int) -> None:
-        """Raise BadRequest naming the first problem (cheap, before the request is queued)."""
-        def need(ok: bool, msg: str) -> None:
+    def row_settings(self, block_length: int) -> SamplerConfig:
+        """The settings the request's row runs with: `sampling` over its whole blocks of the engine's length."""
+        n_blocks = -(-self.max_tokens // block_length) if isinstance(self.max_tokens, int) else 1
+        return self.sampling.replace(gen_length=max(n_blocks, 1) * block_length, block_length=block_length,
+                                     cache="auto", block_grid="auto")
+
+    def check(self, block_length: int, cache: str, vocab_size: int, max_prompt: int, max_tokens: int,
+              spell: Mapping[str, str] | None = None, given: Collection[str] = ()) -> None:
+        """Raise BadRequest naming the first problem (cheap, before the request is queued); settings are named as
+        `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `FIXED` must be left at its
+        default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows), which must
+        be the engine's even when they equal the default."""
+        name = (lambda n: (spell or {}).get(n, n))
+
+        def need(ok: bool, msg: str, param: str | None = None) -> None:
             if not ok:
-                raise BadRequest(msg)
+                raise BadRequest(msg, param=param)
 
-        need(len(self.prompt) > 0, "the prompt is empty")
-        need(all(0 <= t < vocab_size for t in self.prompt), f"a prompt token id is outside [0, {vocab_size})")
+        need(len(self.prompt) > 0, "the prompt is empty", "prompt")
+        need(all(0 <= t < vocab_size for t in self.prompt), f"a prompt token id is outside [0, {vocab_size})",
+             "prompt")
         need(len(self.prompt) <= max_prompt,
-             f"the prompt has {len(self.prompt)} tokens; this server takes at most {max_prompt}")
-        need(isinstance(self.max_tokens, int) and 0 < self.max_tokens <= max_tokens,
-             f"max_tokens must be an integer in [1, {max_tokens}], got {self.max_tokens!r}")
-        need(math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature}")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and 0 <= self.top_k <= MAX_INT32,
-             f"top_k must be an integer in [0, {MAX_INT32}], got {self.top_k!r}")
-        need(self.threshold == 0 or 0 < self.threshold <= 1,
-             f"threshold must be in (0, 1] (or 0 = off), got {self.threshold}")
-        need(self.steps is None or (isinstance(self.steps, int) and 1 <= self.steps <= block_length),
-             f"steps (per block) must be an integer in [1, {block_length}], got {self.steps!r}")
-        need(self.remasking in REMASKING,
-             f"unknown remasking strategy {self.remasking!r}; choose one of {tuple(REMASKING)}")
-        need(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+             f"the prompt has {len(self.prompt)} tokens; this server takes at most {max_prompt}", "prompt")
+        need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+             and 0 < self.max_tokens <= max_tokens,
+             f"max_tokens must be an integer in [1, {max_tokens}], got {self.max_tokens!r}", "max_tokens")
+        s = self.sampling
+        loose = () if "block_length" in given else (SETTINGS["block_length"].default,)
+        need(s.block_length in (*loose, block_length),
+             f"{name('block_length')} must be {block_length} (the block length this server runs), got "
+             f"{s.block_length}", name("block_length"))
+        need(s.cache in ("auto", cache), f"{name('cache')} must be 'auto' or {cache!r} (this server's cache mode is "
+             f"fixed at start), got {s.cache!r}", name("cache"))
+        for key in FIXED:
+            if key not in ("block_length", "cache"):
+                need(getattr(s, key) == SETTINGS[key].default,
+                     f"{name(key)} is not a per-request setting of this server", name(key))
+        try:
+            check_settings(self.row_settings(block_length), spell)
+        except SamplerError as e:
+            raise BadRequest(str(e), param=e.param) from None
 
 
 class Event(NamedTuple):

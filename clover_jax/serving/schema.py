@@ -1,9 +1,10 @@
 """The OpenAPI 3.1 document of `clover serve` (served by FastAPI at `GET /openapi.json`).
 
 Written out here rather than derived from handler signatures: the handlers parse bodies by hand
-(`api.parse_job`, with OpenAI-style 400s naming the field), so FastAPI never validates a body itself.
+(`http_request.parse_job`, with OpenAI-style 400s naming the field), so FastAPI never validates a body itself.
 The request schemas say what the parser accepts, with this server's limits filled in (max_tokens,
-n, the prompt's token ids and length, messages, stop strings, the `diffusion` knobs): a body the
+n, the prompt's token ids and length, messages, stop strings; the sampler settings from their table,
+`sampler.settings`): a body the
 schema refuses is refused by the server with a 4xx too (the schema is never stricter than the
 parser), while a body it admits can still get a 400 for what a schema cannot say (a prompt longer
 than the server's limit once tokenized, an empty prompt after tokenizing). Unknown top-level fields
@@ -15,11 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from clover_jax.sampler.scoring import REMASKING
-from clover_jax.serving.requests import MAX_INT32
+from clover_jax.sampler.settings import REQUEST_NAMES, SETTINGS
 from clover_jax.serving.tools import TOOL_NAME_PATTERN
-
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the seeds a request may give (reduced mod 2**32 on the device)
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -34,22 +32,41 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
+def sampler_fields(block_length: int, cache_modes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schemas of the sampler settings a request may set (`settings.REQUEST_NAMES`), from the settings table:
+    (top-level fields, `diffusion` fields), with the server's block length and cache modes filled in."""
+    top: dict[str, Any] = {}
+    inner: dict[str, Any] = {}
+    for name, wire in REQUEST_NAMES.items():
+        s = SETTINGS[name]
+        if name == "block_length":
+            schema = _nullable({"type": "integer", "enum": [block_length]})
+        elif name == "cache":
+            schema = _nullable({"type": "string", "enum": list(cache_modes)})
+        else:
+            schema = s.json_schema(block_length if name == "steps_per_block" else None)
+        if wire.startswith("diffusion."):
+            inner[wire.removeprefix("diffusion.")] = schema
+        else:
+            top[wire] = schema
+    return top, inner
+
+
 def request_schemas(*, model: str, vocab_size: int, max_prompt: int, max_tokens: int, max_n: int, max_messages: int,
                     max_stops: int, block_length: int, cache_modes: tuple[str, ...]) -> dict[str, Any]:
     """The components/schemas of the request bodies, with the server's limits."""
+    top, diffusion = sampler_fields(block_length, cache_modes)
     token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     ids = {"type": "array", "items": token, "minItems": 1, "maxItems": max_prompt}
     tokens = _nullable({"type": "integer", "minimum": 1, "maximum": max_tokens})
     common: dict[str, Any] = {
         "model": _nullable({"type": "string", "enum": [model]}),
         "max_tokens": tokens,
-        "temperature": _nullable({"type": "number", "minimum": 0}),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        **top,
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": max_n}),
         "stop": {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": max_stops},
                            {"type": "null"}]},
-        "seed": _nullable({"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}),
         "stream": _nullable({"type": "boolean"}),
         "stream_options": _nullable(_ref("StreamOptions")),
         "diffusion": _nullable(_ref("Diffusion")),
@@ -111,17 +128,7 @@ def request_schemas(*, model: str, vocab_size: int, max_prompt: int, max_tokens:
                                         "properties": {"name": {"type": "string"}}}},
         },
         "StreamOptions": {"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})}},
-        "Diffusion": {
-            "type": "object", "additionalProperties": False,
-            "properties": {
-                "steps": _nullable({"type": "integer", "minimum": 1, "maximum": block_length}),
-                "block_length": _nullable({"type": "integer", "enum": [block_length]}),
-                "threshold": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-                "remasking": _nullable({"type": "string", "enum": list(REMASKING)}),
-                "cache": _nullable({"type": "string", "enum": list(cache_modes)}),
-                "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_INT32}),
-            },
-        },
+        "Diffusion": {"type": "object", "additionalProperties": False, "properties": diffusion},
     }
 
 

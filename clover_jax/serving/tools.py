@@ -1,6 +1,6 @@
 """OpenAI function tools of a chat request: `tools`, `tool_choice`, `parallel_tool_calls`.
 
-`parse_tools(body)` reads the request's tool fields into a `ToolPlan` or raises `ToolError` (HTTP 400,
+`parse_tools(body)` reads the request's tool fields into a `ToolPlan` or raises `FieldError` (HTTP 400,
 `param` naming the field):
 
 - `tools`: a list of {"type": "function", "function": {"name", "description"?, "parameters"?}}; the name
@@ -22,17 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from clover_jax.serving.field_error import FieldError
+
 CHOICES = ("auto", "none", "required")
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
 _NAME = re.compile(TOOL_NAME_PATTERN)
-
-
-class ToolError(ValueError):
-    """A malformed tool field; `param` names it (e.g. "tools[0].function.name")."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -77,57 +71,57 @@ class ToolPlan:
 
 
 def parse_tools(body: Mapping[str, Any]) -> ToolPlan | None:
-    """The ToolPlan of a chat request, or None when it declares no tools (and no tool_choice). Raises ToolError."""
+    """The ToolPlan of a chat request, or None when it declares no tools (and no tool_choice). Raises FieldError."""
     tools_value, choice_value = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        raise FieldError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools_value is None or tools_value == []:
         if choice_value is not None and choice_value != "none":
-            raise ToolError("tool_choice is only allowed when tools are given", "tool_choice")
+            raise FieldError("tool_choice is only allowed when tools are given", "tool_choice")
         return None
     if not isinstance(tools_value, list):
-        raise ToolError("tools must be a list of function tools", "tools")
+        raise FieldError("tools must be a list of function tools", "tools")
     tools = tuple(_parse_tool(t, f"tools[{i}]") for i, t in enumerate(tools_value))
     names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise ToolError(f"tool name {name!r} is declared twice", f"tools[{i}].function.name")
+            raise FieldError(f"tool name {name!r} is declared twice", f"tools[{i}].function.name")
     choice, forced = _parse_choice(choice_value, names)
     return ToolPlan(tools, choice, forced, True if parallel is None else parallel)
 
 
 def _parse_tool(value: Any, where: str) -> ToolSpec:
     if not isinstance(value, dict):
-        raise ToolError(f"{where} must be an object {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        raise FieldError(f"{where} must be an object {{\"type\": \"function\", \"function\": {{...}}}}", where)
     kind = value.get("type", "function")
     if kind != "function":
-        raise ToolError(f"{where}.type must be \"function\"", f"{where}.type")
+        raise FieldError(f"{where}.type must be \"function\"", f"{where}.type")
     function = value.get("function")
     if not isinstance(function, dict):
-        raise ToolError(f"{where}.function must be an object with a name", f"{where}.function")
+        raise FieldError(f"{where}.function must be an object with a name", f"{where}.function")
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        raise ToolError(f"{where}.function.name is required (a non-empty string)", f"{where}.function.name")
+        raise FieldError(f"{where}.function.name is required (a non-empty string)", f"{where}.function.name")
     if not _NAME.match(name):
-        raise ToolError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.'",
+        raise FieldError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.'",
                         f"{where}.function.name")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise ToolError(f"{where}.function.description must be a string", f"{where}.function.description")
+        raise FieldError(f"{where}.function.description must be a string", f"{where}.function.description")
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise ToolError(f"{where}.function.parameters must be a JSON-schema object ({{\"type\": \"object\", ...}})",
+        raise FieldError(f"{where}.function.parameters must be a JSON-schema object ({{\"type\": \"object\", ...}})",
                         f"{where}.function.parameters")
     for key in ("properties",):
         if key in parameters and not isinstance(parameters[key], dict):
-            raise ToolError(f"{where}.function.parameters.{key} must be an object",
+            raise FieldError(f"{where}.function.parameters.{key} must be an object",
                             f"{where}.function.parameters.{key}")
     required = parameters.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise ToolError(f"{where}.function.parameters.required must be a list of strings",
+        raise FieldError(f"{where}.function.parameters.required must be a list of strings",
                         f"{where}.function.parameters.required")
     return ToolSpec(name, parameters, description)
 
@@ -137,16 +131,16 @@ def _parse_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
         return "auto", None
     if isinstance(value, str):
         if value not in CHOICES:
-            raise ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or a named function, got {value!r}",
+            raise FieldError(f"tool_choice must be one of {', '.join(CHOICES)} or a named function, got {value!r}",
                             "tool_choice")
         return value, None
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise ToolError("tool_choice must be \"auto\", \"none\", \"required\" or "
+        raise FieldError("tool_choice must be \"auto\", \"none\", \"required\" or "
                         "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if name not in names:
-        raise ToolError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
+        raise FieldError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
     return "function", name
 
 

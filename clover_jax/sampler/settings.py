@@ -1,0 +1,391 @@
+"""The sampler's settings, written once.
+
+`SamplerConfig`'s field declarations are the table: each field is declared with `setting(...)`, which records its
+type and range, its default, whether it is compiled into the program (a new value compiles a new program) or
+traced (never a recompile), its name in a `clover serve` request and in lm-eval's model_args, and its help text.
+Everything else is derived from that table:
+
+  check_settings(sc, spell)  the one validation, one message per rule, naming the setting as the user wrote it
+                        (`FLAGS`: `--gen-length`; `REQUEST_NAMES`: `max_tokens`, `diffusion.steps`; default: the
+                        field name)
+  Knobs, knobs(sc, cfg) the traced values of the compiled programs: the sampler's (one per batch) and the serving
+                        engine's (one per row, [B] leaves)
+  add_flags, from_flags the `clover generate` flags
+  read_defaults         a checkpoint's generation_config.json as sampler defaults
+  parse_value           a setting from text (lm-eval's model_args)
+  json_schema           a setting's JSON schema (`clover serve`'s /openapi.json)
+
+Steps: `steps` counts refinement steps over all blocks (LLaDA's convention, default gen_length: one token a
+step); `steps_per_block` counts them per block (LLaDA2's and the server's). Give one or neither. The compiled
+programs take `steps_per_block`.
+
+`auto` values are resolved per model family (`resolve_cache`, `resolve_rule`): the family's own reference
+generator's rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from clover_jax.config import ModelConfig
+from clover_jax.errors import SamplerError
+from clover_jax.model import masks
+from clover_jax.sampler.scoring import REMASKING, remasking_index
+
+CACHE_MODES = ("none", "prefix", "dual")
+BLOCK_GRIDS = masks.BLOCK_GRIDS
+CONFIDENCES = ("logits", "sampling")
+MAX_INT32 = 2**31 - 1  # an int32 knob (top_k) travels to the device as such
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # seeds are reduced mod 2**32 on the device
+# What `auto` means per model family: the rules of the family's own reference generator (the block grid's is
+# `masks.family_block_grid`, which training shares).
+FAMILY_DEFAULTS: dict[str, dict[str, str]] = {"llada2_moe": {"confidence": "sampling"}}
+
+
+def setting(default: Any, help: str, kind: type, *, optional: bool = False, minimum: float | None = None,
+            exclusive: bool = False, maximum: float | None = None, off: float | None = None,
+            choices: tuple[str, ...] = (), compiled: bool = False, knob: Any = None, knob_as: str | None = None,
+            request: str | None = None, eval_arg: str | None = "") -> Any:
+    """A `SamplerConfig` field and its row of the table (see `Setting` for the arguments)."""
+    row = dict(default=default, help=help, kind=kind, optional=optional, minimum=minimum, exclusive=exclusive,
+               maximum=maximum, off=off, choices=choices, compiled=compiled, knob=knob, knob_as=knob_as,
+               request=request, eval_arg=eval_arg)
+    return field(default=default, metadata={"setting": row})
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """One sampling request's settings (the module docstring: the table they form). Hashable, never mutated."""
+
+    gen_length: int = setting(128, "tokens to generate (a multiple of block_length)", int, minimum=1,
+                              compiled=True)
+    block_length: int = setting(32, "tokens per semi-autoregressive block", int, minimum=1, compiled=True,
+                                request="diffusion.block_length")
+    steps: int | None = setting(None, "refinement steps over all blocks (default: gen_length, one token a step)",
+                                int, optional=True, minimum=1)
+    steps_per_block: int | None = setting(None, "refinement steps per block, at most block_length (default: "
+                                                "block_length, one token a step)", int, optional=True, minimum=1,
+                                          knob=np.int32, request="diffusion.steps")
+    remasking: str = setting("low_confidence", "which masked positions a step commits first", str,
+                             choices=tuple(REMASKING), knob=np.int32, request="diffusion.remasking")
+    threshold: float = setting(0.0, "also commit every masked position whose confidence exceeds it", float,
+                               minimum=0.0, exclusive=True, maximum=1.0, off=0.0, knob=np.float32,
+                               request="diffusion.threshold")
+    entropy_bound: float = setting(0.0, "also commit the lowest-entropy positions while their entropy sum stays "
+                                        "within it (EB-sampler)", float, minimum=0.0, knob=np.float32)
+    temperature: float = setting(0.0, "sampling temperature (0: greedy)", float, minimum=0.0, knob=np.float32,
+                                 request="temperature")
+    top_p: float = setting(1.0, "nucleus filter (1: off)", float, minimum=0.0, exclusive=True, maximum=1.0,
+                           knob=np.float32, request="top_p")
+    top_k: int = setting(0, "keep the k most likely tokens (0: off)", int, minimum=0, maximum=MAX_INT32,
+                         knob=np.int32, request="diffusion.top_k")
+    cfg_scale: float = setting(0.0, "classifier-free guidance scale (0: off; guidance doubles the rows, so on/off "
+                                    "is compiled in)", float, minimum=0.0, knob=np.float32, eval_arg="cfg")
+    seed: int = setting(0, "random seed", int, minimum=SEED_MIN, maximum=SEED_MAX, knob=np.uint32, request="seed")
+    cache: str = setting("auto", "auto | none | prefix | dual (auto: prefix for block-causal models, exact; none "
+                                 "otherwise; prefix / dual approximate bidirectional models)", str,
+                         choices=("auto", *CACHE_MODES), compiled=True, request="diffusion.cache")
+    eos_stop: bool = setting(True, "a row stops at its first end token once nothing before it is masked", bool,
+                             knob=np.bool_)
+    block_grid: str = setting("auto", "auto | prompt | absolute: generated blocks start after the prompt (LLaDA) "
+                                      "or lie every block_length positions from 0, the prompt's partial last "
+                                      "block completed first (LLaDA2); auto: the model family's", str,
+                              choices=("auto", *BLOCK_GRIDS), compiled=True)
+    confidence: str = setting("auto", "auto | logits | sampling: the probability low_confidence ranks and the "
+                                      "threshold compares: the model's softmax at temperature 1 (LLaDA) or the "
+                                      "tempered, filtered distribution the token was drawn from (LLaDA2); equal at "
+                                      "temperature 0; auto: the model family's", str,
+                              choices=("auto", *CONFIDENCES), knob=np.bool_, knob_as="sampled_confidence")
+
+    @property
+    def n_blocks(self) -> int:
+        """Semi-autoregressive blocks: gen_length / block_length."""
+        return self.gen_length // self.block_length
+
+    @property
+    def total_steps(self) -> int:
+        """Refinement steps over all blocks: `steps`, else steps_per_block x blocks, else gen_length."""
+        if self.steps is not None:
+            return self.steps
+        return self.gen_length if self.steps_per_block is None else self.steps_per_block * self.n_blocks
+
+    @property
+    def block_steps(self) -> int:
+        """Refinement steps per block: `steps_per_block`, else `total_steps` split evenly over the blocks."""
+        return self.steps_per_block if self.steps_per_block is not None else max(self.total_steps // self.n_blocks, 1)
+
+    def replace(self, **changes: Any) -> SamplerConfig:
+        """A copy with `changes` (a frozen dataclass: the original is never mutated)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---- the table -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table: a `SamplerConfig` field and its rules.
+
+    kind: int, float, bool or str (a choice among `choices`); optional: None is allowed (see `help`); minimum /
+    maximum: its range (`exclusive`: the minimum itself is not allowed); off: a value outside the range that
+    turns it off; compiled: part of the compiled program's static key, else traced; knob: the dtype of its traced
+    value (None: not a knob of its own), `knob_as` the knob's name when it is not the setting's; request: its
+    name in a `clover serve` request body (None: the server's to set, not per request); eval_arg: its name in
+    lm-eval's model_args ("" = its own name, None: not one)."""
+
+    name: str
+    default: Any
+    help: str
+    kind: type
+    optional: bool
+    minimum: float | None
+    exclusive: bool
+    maximum: float | None
+    off: float | None
+    choices: tuple[str, ...]
+    compiled: bool
+    knob: Any
+    knob_as: str | None
+    request: str | None
+    eval_arg: str | None
+
+    @property
+    def flag(self) -> str:
+        """Its command-line flag."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def model_arg(self) -> str | None:
+        """Its lm-eval model_args name."""
+        return self.name if self.eval_arg == "" else self.eval_arg
+
+    def rule(self) -> str:
+        """What a value must be, in words ("an integer >= 1", "a number in (0, 1] (or 0 = off)", ...)."""
+        if self.choices:
+            text = "one of " + ", ".join(self.choices)
+        elif self.kind is bool:
+            text = "true or false"
+        else:
+            text = "an integer" if self.kind is int else "a number"
+            lo, hi = self.minimum, self.maximum
+            if lo is not None and hi is not None:
+                text += f" in {'(' if self.exclusive else '['}{_num(lo)}, {_num(hi)}]"
+            elif lo is not None:
+                text += f" {'>' if self.exclusive else '>='} {_num(lo)}"
+            if self.off is not None:
+                text += f" (or {_num(self.off)} = off)"
+        return text + (" (or unset)" if self.optional else "")
+
+    def accepts(self, value: Any) -> bool:
+        """Whether `value` satisfies the rule."""
+        if value is None:
+            return self.optional
+        if self.kind is bool:
+            return isinstance(value, bool | np.bool_)
+        if self.choices:
+            return isinstance(value, str) and value in self.choices
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+            return False
+        if self.kind is int and not isinstance(value, int | np.integer):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.off is not None and value == self.off:
+            return True
+        if self.minimum is not None and (value < self.minimum or (self.exclusive and value == self.minimum)):
+            return False
+        return self.maximum is None or value <= self.maximum
+
+    def check(self, value: Any, spelt: str | None = None) -> None:
+        """SamplerError "<spelt> must be <rule>, got <value>" unless `value` satisfies the rule."""
+        if not self.accepts(value):
+            raise SamplerError(f"{spelt or self.name} must be {self.rule()}, got {value!r}",
+                               setting=self.name, param=spelt or self.name)
+
+    def parse(self, text: Any) -> Any:
+        """The value of `text` (a string from lm-eval's model_args, or already a value); ValueError if it does
+        not parse. The rule is not checked here (`check`)."""
+        if not isinstance(text, str):
+            return text
+        if self.optional and text.lower() in ("", "none"):
+            return None
+        if self.kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"expected true or false, got {text!r}")
+            return text.lower() in ("true", "1", "yes")
+        return self.kind(text)
+
+    def json_schema(self, maximum: float | None = None) -> dict[str, Any]:
+        """Its JSON schema (a request field's, `null` included); `maximum` replaces the table's upper bound."""
+        if self.choices:
+            schema: dict[str, Any] = {"type": "string", "enum": list(self.choices)}
+        elif self.kind is bool:
+            schema = {"type": "boolean"}
+        else:
+            schema = {"type": "integer" if self.kind is int else "number"}
+            if self.minimum is not None:
+                low = self.off if self.off is not None and self.off < self.minimum else self.minimum
+                exclusive = self.exclusive and self.off != self.minimum
+                schema["exclusiveMinimum" if exclusive else "minimum"] = low
+            hi = self.maximum if maximum is None else maximum
+            if hi is not None:
+                schema["maximum"] = hi
+        return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else str(x)
+
+
+SETTINGS: dict[str, Setting] = {f.name: Setting(name=f.name, **f.metadata["setting"])
+                                for f in dataclasses.fields(SamplerConfig)}
+FLAGS: dict[str, str] = {s.name: s.flag for s in SETTINGS.values()}  # spellings on the command line
+REQUEST_NAMES: dict[str, str] = {s.name: s.request for s in SETTINGS.values() if s.request}  # in a request body
+MODEL_ARGS: dict[str, str] = {s.model_arg: s.name for s in SETTINGS.values() if s.model_arg}  # lm-eval name -> field
+
+
+def check_settings(sc: SamplerConfig, spell: Mapping[str, str] | None = None) -> None:
+    """SamplerError naming the first setting of `sc` that breaks a rule, spelt as `spell` has it (default: the
+    field names). Runs before anything is traced."""
+    name = (lambda n: (spell or {}).get(n, n))
+    for s in SETTINGS.values():
+        s.check(getattr(sc, s.name), name(s.name))
+    gen, bl = name("gen_length"), name("block_length")
+    if sc.gen_length % sc.block_length:
+        raise SamplerError(f"{gen} ({sc.gen_length}) must be a multiple of {bl} ({sc.block_length})",
+                           setting="gen_length", param=gen)
+    check_steps(sc.steps, sc.steps_per_block, sc.n_blocks, sc.block_length, spell, f"{gen} / {bl}")
+
+
+def check_steps(steps: int | None, steps_per_block: int | None, n_blocks: int, block_length: int,
+                spell: Mapping[str, str] | None = None, blocks_from: str = "") -> None:
+    """The rules that tie the steps to the blocks: one of `steps` / `steps_per_block` at most, `steps` at least
+    one per block, `steps_per_block` at most block_length (the serving engine checks a request's with these)."""
+    name = (lambda n: (spell or {}).get(n, n))
+    if steps is not None and steps_per_block is not None:
+        raise SamplerError(f"give {name('steps')} or {name('steps_per_block')}, not both",
+                           setting="steps", param=name("steps"))
+    if steps is not None and steps < n_blocks:
+        raise SamplerError(f"{name('steps')} ({steps}) must be at least the number of blocks "
+                           f"({blocks_from + ' = ' if blocks_from else ''}{n_blocks})",
+                           setting="steps", param=name("steps"))
+    if steps_per_block is not None and steps_per_block > block_length:
+        raise SamplerError(f"{name('steps_per_block')} must be an integer in [1, {block_length}], got "
+                           f"{steps_per_block!r}", setting="steps_per_block", param=name("steps_per_block"))
+
+
+# ---- what `auto` means --------------------------------------------------------------------------------------
+
+
+def resolve_cache(cfg: ModelConfig, cache: str) -> str:
+    """`auto` -> the fastest exact mode: prefix for block-causal models, none for bidirectional ones.
+    Block-causal `dual` is the `prefix` program (later blocks are invisible anyway)."""
+    if cache == "auto":
+        return "prefix" if cfg.is_block_causal else "none"
+    return "prefix" if (cache == "dual" and cfg.is_block_causal) else cache
+
+
+def resolve_rule(cfg: ModelConfig, name: str, value: str) -> str:
+    """`auto` -> the family's rule for `name`: block_grid by `masks.resolve_block_grid` (the rule training
+    shares), confidence by `FAMILY_DEFAULTS` (else logits); anything else is returned as given."""
+    if name == "block_grid":
+        return masks.resolve_block_grid(cfg, value)
+    if value != "auto":
+        return value
+    return FAMILY_DEFAULTS.get(cfg.family, {}).get(name, CONFIDENCES[0])
+
+
+# ---- the traced values ------------------------------------------------------------------------------------
+
+Knobs = NamedTuple("Knobs", [(s.knob_as or s.name, jax.Array) for s in SETTINGS.values() if s.knob is not None])
+Knobs.__doc__ = """The traced settings of a compiled program: changing any of them never recompiles. Scalars in the
+sampler (one value per batch), [B] in the serving engine (one per row). One field per setting of `SamplerConfig`
+with a `knob`: `steps_per_block` the steps of a block (from `steps` or `steps_per_block`), `remasking` the
+strategy's index in `scoring.REMASKING`, `sampled_confidence` the `confidence` rule resolved for the family."""
+
+
+def knobs(sc: SamplerConfig, cfg: ModelConfig) -> Knobs:
+    """The host values of `sc`'s traced settings for model `cfg`, with fixed dtypes (so every call hits the same
+    compiled signature)."""
+    special = {"steps_per_block": np.int32(sc.block_steps),
+               "sampled_confidence": np.bool_(resolve_rule(cfg, "confidence", sc.confidence) == "sampling"),
+               "remasking": np.int32(remasking_index(sc.remasking)),
+               "seed": np.uint32(sc.seed % 2**32)}
+    return Knobs(*(special[k] if k in special else SETTINGS[k].knob(getattr(sc, k)) for k in Knobs._fields))
+
+
+# ---- the command line and stored defaults -----------------------------------------------------------------
+
+
+def add_flags(parser: Any) -> None:
+    """One flag per setting (default None: "not given"), `--no-eos-stop` for the setting that defaults to on."""
+    for s in SETTINGS.values():
+        if s.kind is bool:
+            parser.add_argument(f"--no-{s.name.replace('_', '-')}", dest=s.name, action="store_const", const=False,
+                                default=None, help=f"turn off: {s.help}")
+            continue
+        default = "unset" if s.default is None else s.default
+        parser.add_argument(s.flag, dest=s.name, type=s.kind, default=None, metavar="N" if not s.choices else None,
+                            help=f"{s.help} (default {default})")
+
+
+def from_flags(args: Any, defaults: Mapping[str, Any] | None = None) -> SamplerConfig:
+    """Flags first, then `defaults` (a checkpoint's, `read_defaults`), then the table's."""
+    values = dict(defaults or {})
+    values.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k, None) is not None})
+    return SamplerConfig(**values)
+
+
+HF_NAMES = {"max_new_tokens": "gen_length"}  # HuggingFace generation_config.json spellings
+
+
+def read_defaults(path: str, error: Callable[[str], Exception]) -> dict[str, Any]:
+    """The sampler defaults a checkpoint stores in `path` (its generation_config.json; {} when there is none):
+    keys of the table (or HuggingFace's `max_new_tokens`), each value type-checked (`error(message)` is raised
+    naming the file and key); unknown keys are ignored, as HuggingFace's own are."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{path}: must hold a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = HF_NAMES.get(key, key)
+        s = SETTINGS.get(name)
+        if s is None:
+            continue
+        if value is None and s.optional:
+            out[name] = None
+            continue
+        kinds = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}[s.kind]
+        if isinstance(value, bool) != (s.kind is bool) or not isinstance(value, kinds):
+            word = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[s.kind]
+            raise error(f"{path}: {key} must be {word}, got {json.dumps(value)}")
+        out[name] = float(value) if s.kind is float else value
+    return out
+
+
+def parse_value(name: str, text: Any) -> Any:
+    """Setting `name`'s value from text (lm-eval's model_args); SamplerError naming it when it does not parse or
+    breaks its rule."""
+    s = SETTINGS[name]
+    try:
+        value = s.parse(text)
+    except (TypeError, ValueError):
+        raise SamplerError(f"{s.model_arg or name} must be {s.rule()}, got {text!r}", setting=name,
+                           param=s.model_arg or name) from None
+    s.check(value, s.model_arg or name)
+    return value
