@@ -5,7 +5,8 @@ every error a user can cause) and any OSError on a file the user named (a read-o
 directory where a file should be) is printed as one line with exit code 2; `--debug` or
 `CLOVER_DEBUG=1` shows the traceback as well. Anything else is a bug and keeps its traceback.
 Compiled programs are cached on disk across runs (`compile_cache`; `--compile-cache DIR|off` or
-`$CLOVER_COMPILE_CACHE`).
+`$CLOVER_COMPILE_CACHE`). A run starts only the JAX backends this host has (`platforms`: no TPU runtime, and none
+of its start-up warnings, on a host without a TPU chip); `--verbose` says which backend it runs on.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 import traceback
 
-from clover_jax import compile_cache
+from clover_jax import compile_cache, platforms
 from clover_jax.commands import convert, generate, info, plan, serve, tokenizer, train
 from clover_jax.commands import eval as eval_command
 from clover_jax.errors import CloverError
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-cache", metavar="DIR|off", default=None,
                         help=f"where compiled programs are kept across runs (default ${compile_cache.ENV}, else "
                              f"{compile_cache.default_dir()}); off: compile from scratch every time")
+    parser.add_argument("--verbose", action="store_true", help="say which backend and devices the run uses")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     debug = args.debug or os.environ.get("CLOVER_DEBUG", "") not in ("", "0")
+    platforms.choose()
+    if args.verbose:
+        print(f"clover {args.command}: {platforms.describe()}", file=sys.stderr)
     compile_cache.configure(args.compile_cache)
     try:
         return int(args.func(args) or 0)

@@ -1,6 +1,5 @@
 """Opening a model to run it: a checkpoint directory or a preset name, its tokenizer, its sampler defaults and, with
-a mesh layout, its weights placed on the mesh. What `clover generate`, `clover serve`, the evaluation harness and
-the benchmarks share.
+a mesh layout, its weights placed on the mesh. What `clover generate`, `clover serve` and the benchmarks share.
 
     model = loading.open_model(loading.default_model(), mesh=None, say=print)
     model.cfg, model.weights, model.tokenizer, model.mesh

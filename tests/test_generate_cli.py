@@ -33,6 +33,19 @@ def test_one_prompt_with_show(capsys):
     assert out.endswith("\n")
 
 
+def test_a_run_says_nothing_but_its_own_lines():
+    """Without JAX_PLATFORMS (as a user runs it, libtpu installed by the `tpu` extra, no TPU chip here) a run writes
+    only its own lines: no runtime start-up warnings; --verbose adds the backend line."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    run = subprocess.run([sys.executable, "-m", "clover_jax", "--verbose", "--compile-cache", "off", "generate", "x",
+                          *FLAGS, "--steps", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[0].startswith("clover generate: backend ")
+    stats = [ln for ln in lines if "forward passes" in ln]
+    assert len(stats) == 1 and all(ln.startswith("clover generate: ") for ln in lines if ln not in stats), lines
+
+
 def test_python_dash_m_runs_the_clover_command():
     from clover_jax.version import __version__
 

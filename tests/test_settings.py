@@ -100,7 +100,7 @@ def test_one_message_names_the_setting_as_typed_there(capsys):
         Request((5, 6), 17).check(8, "prefix", 100, 16, 16, S.REQUEST_NAMES)
     with pytest.raises(BadRequest, match="cfg_scale is not a per-request setting"):
         Request((5, 6), 8, SamplerConfig(cfg_scale=1.0)).check(8, "prefix", 100, 16, 16)
-    with pytest.raises(EvaluationError, match=r"model argument top_k must be an integer in \[0, 2147483647\], got -1"):
+    with pytest.raises(EvaluationError, match=r"model_args: top_k must be an integer in \[0, 2147483647\], got -1"):
         settings_from({"top_k": "-1"})
     assert cli.main(["generate", "x", "--model", "test-clover", "--top-k", "-1"]) == 2
     assert "clover generate: error: --top-k must be an integer in [0, 2147483647], got -1" in capsys.readouterr().err
@@ -173,3 +173,84 @@ def test_traced_settings_never_recompile_and_compiled_ones_do():
     assert compile_count() == before
     generate(w, CFG, [[5, 6]], base.replace(block_length=16), forward_fn=model)
     assert compile_count() == before + 1
+
+
+def test_model_args_as_lm_eval_hands_them_over():
+    """lm-eval passes strings from the command line and ints / floats from Python; None or "None" for unset."""
+    got = settings_from({"eos_stop": 1, "steps": 8, "temperature": 0, "cache": "none", "gen_length": None,
+                         "block_length": "None", "threshold": "0.5"}).sampling
+    assert got == {"eos_stop": True, "steps": 8, "temperature": 0, "cache": "none", "threshold": 0.5}
+    with pytest.raises(EvaluationError, match="model_args: give steps or steps_per_block, not both"):
+        from clover_jax.evaluation.harness import CloverLM
+
+        CloverLM.sampler_config(type("LM", (), {"settings": settings_from({"steps": 8, "steps_per_block": 2})})(),
+                                {"max_gen_toks": 32})
+
+
+def test_a_flag_for_either_steps_replaces_both_stored_defaults():
+    parser = cli.build_parser()
+    stored = {"steps_per_block": 8, "temperature": 0.5}
+    sc = S.from_flags(parser.parse_args(["generate", "x", "--steps", "64"]), stored)
+    assert (sc.steps, sc.steps_per_block, sc.temperature) == (64, None, 0.5)
+    sc = S.from_flags(parser.parse_args(["generate", "x", "--steps-per-block", "4"]), {"steps": 128})
+    assert (sc.steps, sc.steps_per_block) == (None, 4)
+
+
+def test_a_stored_setting_out_of_range_is_named_by_its_file(tmp_path, capsys):
+    from clover_jax import checkpoint
+    from clover_jax.model import params
+
+    model = tmp_path / "m"
+    checkpoint.save_model(str(model), CFG, params.init(CFG, __import__("jax").random.key(0)))
+    (model / "generation_config.json").write_text(json.dumps({"threshold": 2}))
+    assert cli.main(["generate", "x", "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "error: threshold (from " in err and "generation_config.json) must be a number in (0, 1]" in err
+
+
+def test_request_defaults_the_server_would_refuse_stop_it_at_start():
+    from clover_jax.commands.serve import check_defaults
+    from clover_jax.serving.http_request import request_defaults
+
+    defaults = request_defaults({"steps_per_block": 32, "temperature": 0.5, "gen_length": 64, "seed": 3,
+                                 "block_length": 32, "cache": "prefix"})
+    assert defaults == {"steps_per_block": 32, "temperature": 0.5, "max_tokens": 64}
+    engine = type("E", (), {"block_length": 16, "cache": "prefix", "max_tokens": 64,
+                            "cfg": get_config("test-clover")})()
+    with pytest.raises(UsageError, match=r"^g.json: steps_per_block must be an integer in \[1, 16\], got 32$"):
+        check_defaults(defaults, engine, "g.json")
+    check_defaults({"temperature": 0.5, "max_tokens": 64}, engine, "g.json")
+
+
+def test_every_request_field_lands_on_its_setting():
+    """Each request field of the table reaches the SamplerConfig field it names (through the HTTP parser)."""
+    from clover_jax.serving.http_request import parse_job
+
+    engine = type("E", (), {"block_length": 16, "cache": "prefix", "max_tokens": 64, "max_prompt": 64,
+                            "cfg": get_config("test-clover")})()
+    values = {"block_length": 16, "steps_per_block": 3, "remasking": "margin", "threshold": 0.25, "temperature": 0.5,
+              "top_p": 0.75, "top_k": 7, "seed": 12, "cache": "prefix"}
+    assert set(values) == set(S.REQUEST_NAMES)
+    body: dict = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {}}
+    for name, wire in S.REQUEST_NAMES.items():
+        (body["diffusion"] if wire.startswith("diffusion.") else body)[wire.removeprefix("diffusion.")] = values[name]
+    sampling = parse_job(body, engine, (5, 6), False).requests[0].sampling
+    assert {k: getattr(sampling, k) for k in values} == values
+
+
+def test_each_compiled_setting_compiles_a_new_program():
+    from clover_jax.sampler import compile_count
+
+    class Uniform:
+        def __call__(self, weights, tokens, *a, **k):
+            import jax.numpy as jnp
+
+            return jnp.zeros((tokens.shape[0], a[-1], CFG.vocab_size)).at[..., 7].set(1.0), None
+
+    model = Uniform()
+    base = SamplerConfig(gen_length=16, block_length=8, cache="none")
+    generate(None, CFG, [[5, 6]], base, forward_fn=model)
+    for change in (dict(gen_length=24), dict(block_length=16), dict(block_grid="absolute")):
+        before = compile_count()
+        generate(None, CFG, [[5, 6]], base.replace(**change), forward_fn=model)
+        assert compile_count() == before + 1, change

@@ -148,11 +148,15 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or loading.default_model()
     stored = loading.sampler_defaults(model)
     sc = sampler_settings.from_flags(args, stored)
-    check_settings(sc, sampler_settings.FLAGS)  # the settings, before reading or loading anything
+    stored_file = os.path.join(model, "generation_config.json")
+    # a setting is named as it was given: a flag, or the key of the checkpoint's generation_config.json
+    spell = {k: f"{k} (from {stored_file})" if k in stored and getattr(args, k) is None else flag
+             for k, flag in sampler_settings.FLAGS.items()}
+    check_settings(sc, spell)  # the settings, before reading or loading anything
     defaults = sampler_settings.SETTINGS
     from_model = {k: v for k, v in stored.items() if getattr(args, k) is None and v != defaults[k].default}
     if from_model:
-        print(f"clover generate: from {os.path.join(model, 'generation_config.json')}: "
+        print(f"clover generate: from {stored_file}: "
               + ", ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override them)", file=sys.stderr)
     warn_steps(sc)
     if args.dispatch is not None:
@@ -172,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     encoded = [(rid, text, encode(tok, text, chat)) for rid, text in todo]
     for rid, _, ids in encoded:
         try:
-            check_prompts(cfg, sc, [ids], sampler_settings.FLAGS, labels=[rid])
+            check_prompts(cfg, sc, [ids], spell, labels=[rid])
         except SamplerError as e:
             raise UsageError(str(e)) from e
     if args.input and done:

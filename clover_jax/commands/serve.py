@@ -38,6 +38,7 @@ from typing import Any
 from clover_jax import loading
 from clover_jax.errors import UsageError
 from clover_jax.mesh.layouts import add_mesh_argument
+from clover_jax.sampler.settings import SamplerConfig
 
 CACHE_MODES = ("auto", "none", "prefix")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -231,6 +232,23 @@ def _compiled(line: str) -> None:
     _say(line if line.startswith("compiled") else f"compiled {line}")
 
 
+def check_defaults(defaults: dict[str, Any], engine: Any, where: str) -> None:
+    """UsageError, before anything compiles, when a request default from the checkpoint (`request_defaults`) is
+    one this server would refuse every request for (a steps_per_block above its --block-length, ...), naming the
+    file and the key."""
+    from clover_jax.serving.requests import BadRequest, Request
+
+    settings = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    if not defaults:
+        return
+    spell = {k: f"{where}: {k}" for k in settings}
+    request = Request((0,), min(defaults.get("max_tokens", 1), engine.max_tokens), SamplerConfig(**settings))
+    try:
+        request.check(engine.block_length, engine.cache, engine.cfg.vocab_size, 1, engine.max_tokens, spell)
+    except BadRequest as e:
+        raise UsageError(str(e)) from None
+
+
 def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
@@ -262,12 +280,13 @@ def run(args: argparse.Namespace) -> int:
         from clover_jax.serving.http_request import request_defaults
 
         if args.block_length is None:
-            args.block_length = stored.get("block_length", 32)
+            args.block_length = stored.get("block_length", SamplerConfig.block_length)
         defaults = request_defaults(stored)
         if defaults:
             _say("request defaults from the checkpoint's generation_config.json: "
                  + ", ".join(f"{k} {v}" for k, v in defaults.items()))
         engine = Engine(weights, cfg, **engine_kwargs(args, mesh))
+        check_defaults(defaults, engine, os.path.join(model, "generation_config.json"))
         engine.warm_up(_compiled)
         engine.start()
         return _serve(engine, tok, cfg.name, sock, args.log_level, defaults, limits=limits(args), api_keys=keys,

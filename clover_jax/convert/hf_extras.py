@@ -47,6 +47,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.errors import ConversionError
 from clover_jax.jsonfile import read_object
 from clover_jax.model.params import count_params
+from clover_jax.sampler.settings import HF_NAMES
 from clover_jax.version import __version__
 
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
@@ -57,7 +58,7 @@ GENERATION_CONFIG = "generation_config.json"
 TRANSFORMERS_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # model_type values whose AutoTokenizer class transformers 5 fixes, whatever tokenizer_config.json says.
 SENTENCEPIECE_UNSUPPORTED = ("qwen3_5_moe", "qwen3_5_moe_text")
-_HF_NAMES = {"gen_length": "max_new_tokens"}  # SamplerConfig name -> GenerationConfig name
+_HF_NAMES = {v: k for k, v in HF_NAMES.items()}  # SamplerConfig name -> GenerationConfig name
 
 
 def write_hf_extras(tmp: str, src: str, cfg: ModelConfig, hf_cfg: dict[str, Any], verbatim: bool = False) -> list[str]:

@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+from clover_jax import platforms
 from clover_jax.evaluation.harness import register
 
 
 def main() -> None:
-    """Register `clover`, then run lm-eval's command line on sys.argv."""
+    """Register `clover`, then run lm-eval's command line on sys.argv (on the backends this host has)."""
+    platforms.choose()
     register()
     from lm_eval.__main__ import cli_evaluate
 

@@ -25,7 +25,7 @@ checkpoint's template on every generate_until prompt; lm-eval's --apply_chat_tem
 conversation instead), dispatch; and every sampler setting by its name (`sampler.settings`: steps, threshold,
 remasking, temperature, top_p, ...; their defaults are the sampler's), with `cfg` for cfg_scale (the guidance
 scale of the estimator and the sampler) and `seed` seeding the estimator too. gen_length defaults to the request's
-max_gen_toks rounded up to whole blocks, block_length (32) to at most gen_length.
+max_gen_toks rounded up to whole blocks, block_length (the sampler's) to at most gen_length.
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ class EvalSettings:
     @property
     def cfg_scale(self) -> float:
         """The guidance scale of the estimator and the sampler (model_args `cfg`)."""
-        return self.sampling.get("cfg_scale", 0.0)
+        return self.sampling.get("cfg_scale", SamplerConfig.cfg_scale)
 
     @property
     def seed(self) -> int:
         """The seed of the estimator's draws and the sampler."""
-        return self.sampling.get("seed", 0)
+        return self.sampling.get("seed", SamplerConfig.seed)
 
 
 _OWN = {"mc_num": int, "batch_size": int, "check_greedy": _flag, "max_length": _opt_int,
@@ -113,12 +113,12 @@ def settings_from(kwargs: dict[str, Any]) -> EvalSettings:
             except (TypeError, ValueError) as e:
                 raise EvaluationError(f"model argument {key}={value!r}: {e}") from None
         elif key in MODEL_ARGS:
-            if value in (None, "", "None", "none"):  # lm-eval writes unset arguments so: the sampler's default
+            if value is None or value in ("", "None"):  # how lm-eval writes an unset argument: the sampler's default
                 continue
             try:
                 sampling[MODEL_ARGS[key]] = parse_value(MODEL_ARGS[key], value)
             except SamplerError as e:
-                raise EvaluationError(f"model argument {e}") from None
+                raise EvaluationError(f"model_args: {e}") from None
         else:
             raise EvaluationError(f"unknown model argument {key!r} (known: pretrained, "
                                   f"{', '.join([*_OWN, *MODEL_ARGS])})")
@@ -260,7 +260,7 @@ class CloverLM(LM):
         try:
             check_settings(sc, {v: k for k, v in MODEL_ARGS.items()})
         except SamplerError as e:
-            raise EvaluationError(f"model argument {e}") from None
+            raise EvaluationError(f"model_args: {e}") from None
         return sc, until
 
     def _prompt_ids(self, context: str, gen_length: int) -> list[int]:

@@ -119,6 +119,15 @@ def check_model(cfg: ModelConfig) -> None:
           "models block-causally (attention='block_causal')")
 
 
+def check_block_length(cfg: ModelConfig, block_length: int, spelt: str = "block_length") -> None:
+    """SamplerError unless `cfg` can denoise blocks of `block_length`: Clover's block-diffusion Gated DeltaNet sees
+    one of its own blocks at a time, so a block may not be longer (`spelt`: the setting as the user wrote it)."""
+    if cfg.is_bd_gdn and block_length > cfg.block_size:
+        raise SamplerError(f"{spelt} {block_length} is longer than the model's blocks ({cfg.block_size}): its "
+                           f"block-diffusion Gated DeltaNet layers see one block at a time; use {spelt} <= "
+                           f"{cfg.block_size}", setting="block_length", param=spelt)
+
+
 def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]],
                   spell: Mapping[str, str] | None = None, labels: Sequence[Any] | None = None) -> None:
     """A model the sampler can run, token ids inside the vocabulary and prompt + generation within the
@@ -127,11 +136,7 @@ def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequenc
     need = _need
     name = (lambda n: (spell or {}).get(n, n))
     check_model(cfg)
-    if cfg.is_bd_gdn and sc.block_length > cfg.block_size:
-        raise SamplerError(f"{name('block_length')} {sc.block_length} is longer than the model's blocks "
-                           f"({cfg.block_size}): its block-diffusion Gated DeltaNet layers see one block at a time; "
-                           f"use {name('block_length')} <= {cfg.block_size}", setting="block_length",
-                           param=name("block_length"))
+    check_block_length(cfg, sc.block_length, name("block_length"))
     need(len(prompts) > 0, "no prompts given")
     for i, pr in enumerate(prompts):
         label = f"prompt {labels[i]!r}" if labels is not None else f"prompt {i}"

@@ -46,14 +46,14 @@ import numpy as np
 
 from clover_jax.config import ModelConfig
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import cache as kv_cache
 from clover_jax.model import masks
 from clover_jax.model.forward_fn import ForwardFn
 from clover_jax.sampler import step as denoise
 from clover_jax.sampler.scoring import guide
-from clover_jax.sampler.settings import BLOCK_GRIDS, CACHE_MODES, Knobs
+from clover_jax.sampler.settings import Knobs
 
 Array = jax.Array
-__all__ = ["BLOCK_GRIDS", "CACHE_MODES", "ProgramOut", "ProgramSpec", "run_program", "set_progress_sink"]
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         if init is None:
             raise TypeError("cache modes need a forward function with an init_cache(rows, length) method")
         cache = init(n_rows, s)
+        if spec.mesh is not None and isinstance(cache, kv_cache.KVCache):  # placed as the server and the plan do
+            cache = jax.lax.with_sharding_constraint(cache, kv_cache.shardings(cache, spec.mesh))
         if not bidir:  # block-causal: the prompt's K/V never change, encode them once
             _, cache = call(canvas, cache, 0, p, 0)
             nfe = jnp.int32(1)

@@ -16,8 +16,8 @@ Everything else is derived from that table:
   json_schema           a setting's JSON schema (`clover serve`'s /openapi.json)
 
 Steps: `steps` counts refinement steps over all blocks (LLaDA's convention, default gen_length: one token a
-step); `steps_per_block` counts them per block (LLaDA2's and the server's). Give one or neither. The compiled
-programs take `steps_per_block`.
+step); `steps_per_block` counts them per block (LLaDA2's and the server's; at most block_length). Give one or
+neither. The compiled programs take `steps_per_block`.
 
 `auto` values are resolved per model family (`resolve_cache`, `resolve_rule`): the family's own reference
 generator's rule.
@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,7 +37,8 @@ import jax
 import numpy as np
 
 from clover_jax.config import ModelConfig
-from clover_jax.errors import SamplerError
+from clover_jax.errors import CloverError, SamplerError
+from clover_jax.jsonfile import read_object
 from clover_jax.model import masks
 from clover_jax.sampler.scoring import REMASKING, remasking_index
 
@@ -54,7 +55,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, str]] = {"llada2_moe": {"confidence": "samp
 def setting(default: Any, help: str, kind: type, *, optional: bool = False, minimum: float | None = None,
             exclusive: bool = False, maximum: float | None = None, off: float | None = None,
             choices: tuple[str, ...] = (), compiled: bool = False, knob: Any = None, knob_as: str | None = None,
-            request: str | None = None, eval_arg: str | None = "") -> Any:
+            request: str | None = None, eval_arg: str | None = None) -> Any:
     """A `SamplerConfig` field and its row of the table (see `Setting` for the arguments)."""
     row = dict(default=default, help=help, kind=kind, optional=optional, minimum=minimum, exclusive=exclusive,
                maximum=maximum, off=off, choices=choices, compiled=compiled, knob=knob, knob_as=knob_as,
@@ -70,11 +71,8 @@ class SamplerConfig:
                               compiled=True)
     block_length: int = setting(32, "tokens per semi-autoregressive block", int, minimum=1, compiled=True,
                                 request="diffusion.block_length")
-    steps: int | None = setting(None, "refinement steps over all blocks (default: gen_length, one token a step)",
-                                int, optional=True, minimum=1)
-    steps_per_block: int | None = setting(None, "refinement steps per block, at most block_length (default: "
-                                                "block_length, one token a step)", int, optional=True, minimum=1,
-                                          knob=np.int32, request="diffusion.steps")
+    steps: int | None = setting(None, "refinement steps over all blocks, at least one per block (default: "
+                                      "gen_length, one token a step)", int, optional=True, minimum=1)
     remasking: str = setting("low_confidence", "which masked positions a step commits first", str,
                              choices=tuple(REMASKING), knob=np.int32, request="diffusion.remasking")
     threshold: float = setting(0.0, "also commit every masked position whose confidence exceeds it", float,
@@ -91,20 +89,23 @@ class SamplerConfig:
     cfg_scale: float = setting(0.0, "classifier-free guidance scale (0: off; guidance doubles the rows, so on/off "
                                     "is compiled in)", float, minimum=0.0, knob=np.float32, eval_arg="cfg")
     seed: int = setting(0, "random seed", int, minimum=SEED_MIN, maximum=SEED_MAX, knob=np.uint32, request="seed")
-    cache: str = setting("auto", "auto | none | prefix | dual (auto: prefix for block-causal models, exact; none "
-                                 "otherwise; prefix / dual approximate bidirectional models)", str,
+    cache: str = setting("auto", "the cache (auto: prefix for block-causal models, exact; none otherwise; prefix "
+                                 "and dual approximate bidirectional models)", str,
                          choices=("auto", *CACHE_MODES), compiled=True, request="diffusion.cache")
-    eos_stop: bool = setting(True, "a row stops at its first end token once nothing before it is masked", bool,
+    eos_stop: bool = setting(True, "stop a row at its first end token once nothing before it is masked", bool,
                              knob=np.bool_)
-    block_grid: str = setting("auto", "auto | prompt | absolute: generated blocks start after the prompt (LLaDA) "
-                                      "or lie every block_length positions from 0, the prompt's partial last "
-                                      "block completed first (LLaDA2); auto: the model family's", str,
+    block_grid: str = setting("auto", "where blocks lie: prompt (generated blocks start after the prompt: LLaDA) "
+                                      "or absolute (every block_length positions from 0, the prompt's partial "
+                                      "last block completed first: LLaDA2); auto: the model family's", str,
                               choices=("auto", *BLOCK_GRIDS), compiled=True)
-    confidence: str = setting("auto", "auto | logits | sampling: the probability low_confidence ranks and the "
-                                      "threshold compares: the model's softmax at temperature 1 (LLaDA) or the "
-                                      "tempered, filtered distribution the token was drawn from (LLaDA2); equal at "
-                                      "temperature 0; auto: the model family's", str,
+    confidence: str = setting("auto", "the probability low_confidence ranks and the threshold compares: logits "
+                                      "(the model's softmax at temperature 1: LLaDA) or sampling (the "
+                                      "tempered, filtered distribution the token was drawn from: LLaDA2); equal "
+                                      "at temperature 0; auto: the model family's", str,
                               choices=("auto", *CONFIDENCES), knob=np.bool_, knob_as="sampled_confidence")
+    steps_per_block: int | None = setting(None, "refinement steps per block, at most block_length; instead of "
+                                                "steps (default: block_length, one token a step)", int, optional=True,
+                                          minimum=1, knob=np.int32, request="diffusion.steps")
 
     @property
     def n_blocks(self) -> int:
@@ -140,7 +141,7 @@ class Setting:
     turns it off; compiled: part of the compiled program's static key, else traced; knob: the dtype of its traced
     value (None: not a knob of its own), `knob_as` the knob's name when it is not the setting's; request: its
     name in a `clover serve` request body (None: the server's to set, not per request); eval_arg: its name in
-    lm-eval's model_args ("" = its own name, None: not one)."""
+    lm-eval's model_args when that is not its own (every setting is a model argument)."""
 
     name: str
     default: Any
@@ -164,29 +165,30 @@ class Setting:
         return "--" + self.name.replace("_", "-")
 
     @property
-    def model_arg(self) -> str | None:
+    def model_arg(self) -> str:
         """Its lm-eval model_args name."""
-        return self.name if self.eval_arg == "" else self.eval_arg
+        return self.eval_arg or self.name
 
-    def rule(self) -> str:
-        """What a value must be, in words ("an integer >= 1", "a number in (0, 1] (or 0 = off)", ...)."""
+    def rule(self, maximum: float | None = None) -> str:
+        """What a value must be, in words ("an integer >= 1", "a number in (0, 1] (or 0 = off)", ...); `maximum`
+        replaces the table's upper bound (steps_per_block: the block length)."""
         if self.choices:
             text = "one of " + ", ".join(self.choices)
         elif self.kind is bool:
             text = "true or false"
         else:
-            text = "an integer" if self.kind is int else "a number"
-            lo, hi = self.minimum, self.maximum
+            text = KIND_WORDS[self.kind]
+            lo, hi = self.minimum, self.maximum if maximum is None else maximum
             if lo is not None and hi is not None:
                 text += f" in {'(' if self.exclusive else '['}{_num(lo)}, {_num(hi)}]"
             elif lo is not None:
                 text += f" {'>' if self.exclusive else '>='} {_num(lo)}"
             if self.off is not None:
                 text += f" (or {_num(self.off)} = off)"
-        return text + (" (or unset)" if self.optional else "")
+        return text
 
-    def accepts(self, value: Any) -> bool:
-        """Whether `value` satisfies the rule."""
+    def accepts(self, value: Any, maximum: float | None = None) -> bool:
+        """Whether `value` satisfies the rule (`maximum` as for `rule`; None passes for an optional setting)."""
         if value is None:
             return self.optional
         if self.kind is bool:
@@ -203,12 +205,13 @@ class Setting:
             return True
         if self.minimum is not None and (value < self.minimum or (self.exclusive and value == self.minimum)):
             return False
-        return self.maximum is None or value <= self.maximum
+        hi = self.maximum if maximum is None else maximum
+        return hi is None or value <= hi
 
-    def check(self, value: Any, spelt: str | None = None) -> None:
+    def check(self, value: Any, spelt: str | None = None, maximum: float | None = None) -> None:
         """SamplerError "<spelt> must be <rule>, got <value>" unless `value` satisfies the rule."""
-        if not self.accepts(value):
-            raise SamplerError(f"{spelt or self.name} must be {self.rule()}, got {value!r}",
+        if not self.accepts(value, maximum):
+            raise SamplerError(f"{spelt or self.name} must be {self.rule(maximum)}, got {value!r}",
                                setting=self.name, param=spelt or self.name)
 
     def parse(self, text: Any) -> Any:
@@ -224,6 +227,14 @@ class Setting:
             return text.lower() in ("true", "1", "yes")
         return self.kind(text)
 
+    def value_of(self, given: Any) -> Any:
+        """A value as a program hands it over (lm-eval's model_args: strings, or ints for flags): parsed from text,
+        0 / 1 as false / true for a flag. The rule is not checked here (`check`)."""
+        if self.kind is bool and isinstance(given, int | np.integer) and not isinstance(given, bool) \
+                and given in (0, 1):
+            return bool(given)
+        return self.parse(given)
+
     def json_schema(self, maximum: float | None = None) -> dict[str, Any]:
         """Its JSON schema (a request field's, `null` included); `maximum` replaces the table's upper bound."""
         if self.choices:
@@ -232,14 +243,16 @@ class Setting:
             schema = {"type": "boolean"}
         else:
             schema = {"type": "integer" if self.kind is int else "number"}
-            if self.minimum is not None:
-                low = self.off if self.off is not None and self.off < self.minimum else self.minimum
+            if self.minimum is not None:  # an `off` value at the minimum makes it inclusive (threshold: 0 or (0, 1])
                 exclusive = self.exclusive and self.off != self.minimum
-                schema["exclusiveMinimum" if exclusive else "minimum"] = low
+                schema["exclusiveMinimum" if exclusive else "minimum"] = self.minimum
             hi = self.maximum if maximum is None else maximum
             if hi is not None:
                 schema["maximum"] = hi
         return {"anyOf": [schema, {"type": "null"}]}
+
+
+KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _num(x: float) -> str:
@@ -250,7 +263,10 @@ SETTINGS: dict[str, Setting] = {f.name: Setting(name=f.name, **f.metadata["setti
                                 for f in dataclasses.fields(SamplerConfig)}
 FLAGS: dict[str, str] = {s.name: s.flag for s in SETTINGS.values()}  # spellings on the command line
 REQUEST_NAMES: dict[str, str] = {s.name: s.request for s in SETTINGS.values() if s.request}  # in a request body
-MODEL_ARGS: dict[str, str] = {s.model_arg: s.name for s in SETTINGS.values() if s.model_arg}  # lm-eval name -> field
+MODEL_ARGS: dict[str, str] = {s.model_arg: s.name for s in SETTINGS.values()}  # lm-eval's name -> field
+# What the serving engine fixes for all its rows: the compiled settings (a request's length is its max_tokens, the
+# block length and the cache mode are the server's) and guidance, which would need twice the rows.
+SERVER_FIXED = (*(k for k, s in SETTINGS.items() if s.compiled), "cfg_scale")
 
 
 def check_settings(sc: SamplerConfig, spell: Mapping[str, str] | None = None) -> None:
@@ -258,29 +274,16 @@ def check_settings(sc: SamplerConfig, spell: Mapping[str, str] | None = None) ->
     field names). Runs before anything is traced."""
     name = (lambda n: (spell or {}).get(n, n))
     for s in SETTINGS.values():
-        s.check(getattr(sc, s.name), name(s.name))
-    gen, bl = name("gen_length"), name("block_length")
+        s.check(getattr(sc, s.name), name(s.name), sc.block_length if s.name == "steps_per_block" else None)
+    gen, bl, steps = name("gen_length"), name("block_length"), name("steps")
     if sc.gen_length % sc.block_length:
         raise SamplerError(f"{gen} ({sc.gen_length}) must be a multiple of {bl} ({sc.block_length})",
                            setting="gen_length", param=gen)
-    check_steps(sc.steps, sc.steps_per_block, sc.n_blocks, sc.block_length, spell, f"{gen} / {bl}")
-
-
-def check_steps(steps: int | None, steps_per_block: int | None, n_blocks: int, block_length: int,
-                spell: Mapping[str, str] | None = None, blocks_from: str = "") -> None:
-    """The rules that tie the steps to the blocks: one of `steps` / `steps_per_block` at most, `steps` at least
-    one per block, `steps_per_block` at most block_length (the serving engine checks a request's with these)."""
-    name = (lambda n: (spell or {}).get(n, n))
-    if steps is not None and steps_per_block is not None:
-        raise SamplerError(f"give {name('steps')} or {name('steps_per_block')}, not both",
-                           setting="steps", param=name("steps"))
-    if steps is not None and steps < n_blocks:
-        raise SamplerError(f"{name('steps')} ({steps}) must be at least the number of blocks "
-                           f"({blocks_from + ' = ' if blocks_from else ''}{n_blocks})",
-                           setting="steps", param=name("steps"))
-    if steps_per_block is not None and steps_per_block > block_length:
-        raise SamplerError(f"{name('steps_per_block')} must be an integer in [1, {block_length}], got "
-                           f"{steps_per_block!r}", setting="steps_per_block", param=name("steps_per_block"))
+    if sc.steps is not None and sc.steps_per_block is not None:
+        raise SamplerError(f"give {steps} or {name('steps_per_block')}, not both", setting="steps", param=steps)
+    if sc.steps is not None and sc.steps < sc.n_blocks:
+        raise SamplerError(f"{steps} ({sc.steps}) must be at least the number of blocks ({gen} / {bl} = "
+                           f"{sc.n_blocks})", setting="steps", param=steps)
 
 
 # ---- what `auto` means --------------------------------------------------------------------------------------
@@ -327,40 +330,39 @@ def knobs(sc: SamplerConfig, cfg: ModelConfig) -> Knobs:
 
 
 def add_flags(parser: Any) -> None:
-    """One flag per setting (default None: "not given"), `--no-eos-stop` for the setting that defaults to on."""
+    """One flag per setting (default None: "not given"; a choice lists its values), `--no-eos-stop` for the setting
+    that defaults to on."""
     for s in SETTINGS.values():
         if s.kind is bool:
             parser.add_argument(f"--no-{s.name.replace('_', '-')}", dest=s.name, action="store_const", const=False,
-                                default=None, help=f"turn off: {s.help}")
+                                default=None, help=f"do not {s.help}")
             continue
-        default = "unset" if s.default is None else s.default
-        parser.add_argument(s.flag, dest=s.name, type=s.kind, default=None, metavar="N" if not s.choices else None,
-                            help=f"{s.help} (default {default})")
+        shown = [", ".join(s.choices)] if s.choices else []  # checked by `check_settings`: one line, not usage
+        shown += [] if s.default is None else [f"default {s.default}"]
+        parser.add_argument(s.flag, dest=s.name, type=s.kind, default=None, metavar="NAME" if s.choices else "N",
+                            help=s.help + (f" ({'; '.join(shown)})" if shown else ""))
+
+
+_ONE_OF = ("steps", "steps_per_block")  # two spellings of one thing: a flag for either replaces both defaults
 
 
 def from_flags(args: Any, defaults: Mapping[str, Any] | None = None) -> SamplerConfig:
     """Flags first, then `defaults` (a checkpoint's, `read_defaults`), then the table's."""
-    values = dict(defaults or {})
-    values.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k, None) is not None})
-    return SamplerConfig(**values)
+    given = {k: getattr(args, k) for k in SETTINGS if getattr(args, k, None) is not None}
+    values = {k: v for k, v in (defaults or {}).items() if not (k in _ONE_OF and given.keys() & set(_ONE_OF))}
+    return SamplerConfig(**(values | given))
 
 
 HF_NAMES = {"max_new_tokens": "gen_length"}  # HuggingFace generation_config.json spellings
 
 
-def read_defaults(path: str, error: Callable[[str], Exception]) -> dict[str, Any]:
+def read_defaults(path: str, error: type[CloverError]) -> dict[str, Any]:
     """The sampler defaults a checkpoint stores in `path` (its generation_config.json; {} when there is none):
     keys of the table (or HuggingFace's `max_new_tokens`), each value type-checked (`error(message)` is raised
     naming the file and key); unknown keys are ignored, as HuggingFace's own are."""
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise error(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(doc, dict):
-        raise error(f"{path}: must hold a JSON object")
+    doc = read_object(path, error)
     out: dict[str, Any] = {}
     for key, value in doc.items():
         name = HF_NAMES.get(key, key)
@@ -372,8 +374,7 @@ def read_defaults(path: str, error: Callable[[str], Exception]) -> dict[str, Any
             continue
         kinds = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}[s.kind]
         if isinstance(value, bool) != (s.kind is bool) or not isinstance(value, kinds):
-            word = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[s.kind]
-            raise error(f"{path}: {key} must be {word}, got {json.dumps(value)}")
+            raise error(f"{path}: {key} must be {KIND_WORDS[s.kind]}, got {json.dumps(value)}")
         out[name] = float(value) if s.kind is float else value
     return out
 
@@ -383,7 +384,7 @@ def parse_value(name: str, text: Any) -> Any:
     breaks its rule."""
     s = SETTINGS[name]
     try:
-        value = s.parse(text)
+        value = s.value_of(text)
     except (TypeError, ValueError):
         raise SamplerError(f"{s.model_arg or name} must be {s.rule()}, got {text!r}", setting=name,
                            param=s.model_arg or name) from None

@@ -64,7 +64,7 @@ from clover_jax.serving.http_request import (
     unknown_model,
 )
 from clover_jax.serving.metrics import CONTENT_TYPE, Metrics
-from clover_jax.serving.requests import Event, Request, ServingError
+from clover_jax.serving.requests import Event, Request, ServingError, cache_choices
 from clover_jax.serving.responses import Meta, collect, failure, stream_response
 from clover_jax.serving.schema import openapi_document
 from clover_jax.tokenizer import Tokenizer
@@ -107,8 +107,8 @@ def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
              limits: Limits | None = None, api_keys: Sequence[str] = ()) -> FastAPI:
     """The ASGI app serving `engine` (already started) as model `model_name`. `log` gets one message per
     internal error (with its traceback); default: the `clover_jax.serving` logger. `defaults`: settings
-    for fields a request leaves out (keys of `http_request.DEFAULTABLE`, e.g. from the checkpoint's
-    generation_config.json). `limits`: see `Limits`. `api_keys`: the keys a request must present as
+    for fields a request leaves out (`http_request.request_defaults` of the checkpoint's generation_config.json:
+    sampler settings by name, and max_tokens). `limits`: see `Limits`. `api_keys`: the keys a request must present as
     `Authorization: Bearer <key>` (every route but /health); none: no key needed."""
     limits = limits or Limits()
     state = ServerState(engine, tokenizer, model_name, log or logging.getLogger("clover_jax.serving").error,
@@ -120,13 +120,12 @@ def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
 
     def openapi() -> dict[str, Any]:
         if not document:
-            mode = getattr(engine, "cache", None)
             document.append(openapi_document(
                 title="clover-jax", version=__version__, auth=bool(keys), model=model_name,
                 vocab_size=engine.cfg.vocab_size, max_prompt=engine.max_prompt, max_tokens=engine.max_tokens,
                 max_n=limits.max_n, max_messages=limits.max_messages, max_stops=MAX_STOPS,
                 block_length=engine.block_length,
-                cache_modes=("auto",) if mode in (None, "auto") else ("auto", str(mode))))
+                cache_modes=cache_choices(getattr(engine, "cache", "auto"))))
         return document[0]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -99,7 +99,7 @@ def _parse_message(message: Any, where: str) -> Message:
     call_id = message.get("tool_call_id")
     if role == "tool" and (not isinstance(call_id, str) or not call_id):
         raise FieldError(f"{where}.tool_call_id is required in tool messages (the id of the call answered)",
-                           f"{where}.tool_call_id")
+                         f"{where}.tool_call_id")
     if call_id is not None and not isinstance(call_id, str):
         raise FieldError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
     return Message(role, content, calls, call_id if role == "tool" else None, name)
@@ -114,7 +114,7 @@ def _parse_calls(value: Any, where: str) -> tuple[CallMessage, ...]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise FieldError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                               "\"arguments\"}}}}", at)
+                             "\"arguments\"}}}}", at)
         if call.get("type", "function") != "function":
             raise FieldError(f"{at}.type must be \"function\"", f"{at}.type")
         call_id = call.get("id", "")
@@ -128,7 +128,7 @@ def _parse_calls(value: Any, where: str) -> tuple[CallMessage, ...]:
                 raise FieldError(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
         if not isinstance(args, dict):
             raise FieldError(f"{at}.function.arguments must be a JSON object (or a string holding one)",
-                               f"{at}.function.arguments")
+                             f"{at}.function.arguments")
         out.append(CallMessage(call_id, function["name"], args))
     return tuple(out)
 
@@ -143,7 +143,7 @@ def _content_text(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise FieldError(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}",
-                                   f"{where}[{i}]")
+                                 f"{where}[{i}]")
             texts.append(part["text"])
         return "".join(texts)
     raise FieldError(f"{where} must be a string or a list of text parts", where)

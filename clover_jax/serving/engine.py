@@ -32,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.config import ModelConfig
+from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model.forward_fn import ForwardFn, ModelForward
 from clover_jax.model.moe import choose_dispatch
-from clover_jax.sampler.settings import knobs, resolve_cache
+from clover_jax.sampler.generate import check_block_length
+from clover_jax.sampler.settings import SamplerConfig, knobs, resolve_cache
 from clover_jax.sampler.step import pow2_widths
 from clover_jax.serving import program
 from clover_jax.serving.requests import Draining, Event, QueueFull, Request, ServingError
@@ -72,7 +74,7 @@ class _Job:
     rid: int
     req: Request
     on_event: Callable[[Event], None]
-    n_blocks: int
+    settings: SamplerConfig  # its row's settings (`Request.row_settings`)
     produced: int = 0
     passes: int = 0
     cancelled: bool = False
@@ -120,8 +122,10 @@ class Engine:
              "block-causal models (a bidirectional model's blocks see the future, so rows cannot join at block "
              "boundaries)")
         need(isinstance(bl, int) and bl > 0, f"block_length must be a positive integer, got {bl!r}")
-        need(not cfg.is_bd_gdn or bl <= cfg.block_size,
-             f"block_length {bl} is longer than the model's blocks ({cfg.block_size})")
+        try:
+            check_block_length(cfg, bl)
+        except SamplerError as e:
+            raise ServingError(str(e)) from None
         need(self.max_prompt >= 1 and self.max_tokens >= 1, "max_prompt and max_tokens must be >= 1")
         self.columns = _round_up(self.max_prompt, bl) + _round_up(self.max_tokens, bl)
         need(self.columns <= cfg.max_seq_len,
@@ -244,7 +248,7 @@ class Engine:
                 raise QueueFull(f"the queue holds {len(self._queue)} requests already; try again later")
             rid = self._next_id
             self._next_id += 1
-            job = _Job(rid, req, on_event, -(-req.max_tokens // self.block_length))
+            job = _Job(rid, req, on_event, req.row_settings(self.block_length))
             self._queue.append(job)
             self._by_id[rid] = job
             self._lock.notify_all()
@@ -338,9 +342,8 @@ class Engine:
     def _prefill(self, slot: int, job: _Job) -> None:
         canvas, valid, ids = self._row(job.req.prompt)
         width = next(w for w in self.widths if w >= len(job.req.prompt)) if self.cache == "prefix" else 0
-        row = knobs(job.req.row_settings(self.block_length), self.cfg)
-        self._state = self._admit[width](self.weights, self._state, np.int32(slot), canvas, valid, ids, row,
-                                         np.int32(job.n_blocks))
+        self._state = self._admit[width](self.weights, self._state, np.int32(slot), canvas, valid, ids,
+                                         knobs(job.settings, self.cfg), np.int32(job.settings.n_blocks))
 
     def _block(self, running: list[_Job | None]) -> None:
         n = len(running)

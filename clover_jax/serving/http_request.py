@@ -31,7 +31,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
-from clover_jax.sampler.settings import REQUEST_NAMES, SETTINGS, SamplerConfig
+from clover_jax.sampler.settings import KIND_WORDS, REQUEST_NAMES, SETTINGS, SamplerConfig
 from clover_jax.serving.chat import parse_messages, render_messages
 from clover_jax.serving.field_error import FieldError
 from clover_jax.serving.guard import BodyTooLarge
@@ -280,29 +280,32 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-_KIND_WORDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+_KIND_WORDS = {**KIND_WORDS, bool: "a boolean"}  # a JSON field's type, as `_field` names it
 
 
-def _settings(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def _settings(body: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """The request's sampler settings by `SamplerConfig` field: every setting of the table with a request name
     (`settings.REQUEST_NAMES`), read from the body (top level, or the `diffusion` object for `diffusion.*`) and
-    type-checked (ApiError 400 naming it), else `defaults`' value, else left out. An unknown `diffusion` field is
-    a 400 too."""
+    type-checked (ApiError 400 naming it), else `defaults`' value, else left out; and the names the body gave. An
+    unknown `diffusion` field is a 400 too."""
     ext = _field(body, "diffusion", "an object", {})
     known = [wire.removeprefix("diffusion.") for wire in REQUEST_NAMES.values() if wire.startswith("diffusion.")]
     unknown = sorted(set(ext) - set(known))
     if unknown:
         raise ApiError(400, f"unknown diffusion field(s) {', '.join(unknown)}; known: {', '.join(known)}",
                        param=f"diffusion.{unknown[0]}")
-    out = {}
+    out, given = {}, set()
     for name, wire in REQUEST_NAMES.items():
         inner = wire.startswith("diffusion.")
         obj, key = (ext, wire.removeprefix("diffusion.")) if inner else (body, wire)
-        value = _field(obj, key, _KIND_WORDS[SETTINGS[name].kind], defaults.get(name),
-                       where="diffusion." if inner else "")
+        value = _field(obj, key, _KIND_WORDS[SETTINGS[name].kind], None, where="diffusion." if inner else "")
+        if value is not None:
+            given.add(name)
+        elif defaults.get(name) is not None:
+            value = defaults[name]
         if value is not None:
             out[name] = value
-    return out
+    return out, given
 
 
 def _seeds(seed: int | None, n: int, temperature: float) -> list[int]:
@@ -351,7 +354,7 @@ def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: 
     if not 1 <= n <= max_n:
         raise ApiError(400, f"n must be in [1, {max_n}], got {n} (this server's limit of choices per request)",
                        param="n", code="invalid_value")
-    values = _settings(body, d)
+    values, given = _settings(body, d)
     stream = _field(body, "stream", "a boolean", False)
     options = _field(body, "stream_options", "an object", {})
     include_usage = bool(_field(options, "include_usage", "a boolean", False, where="stream_options."))
@@ -361,7 +364,7 @@ def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: 
         raise ApiError(400, str(e)) from None
     base = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
     base.check(engine.block_length, getattr(engine, "cache", "auto"), engine.cfg.vocab_size, engine.max_prompt,
-               engine.max_tokens, REQUEST_NAMES, given=values)
+               engine.max_tokens, REQUEST_NAMES, given)
     seeds, stops = _seeds(values.get("seed"), n, sampling.temperature), _stops(body)
     return Job(tuple(dataclasses.replace(base, sampling=sampling.replace(seed=s)) for s in seeds), stops, stream,
                include_usage, tools if tools is not None and tools.parses else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from clover_jax.errors import CloverError, SamplerError
-from clover_jax.sampler.settings import SETTINGS, SamplerConfig, check_settings
+from clover_jax.sampler.settings import SERVER_FIXED, SETTINGS, SamplerConfig, check_settings
 
 
 class ServingError(CloverError):
@@ -37,24 +37,25 @@ class Draining(ServingError):
     """The engine is shutting down and admits nothing new: HTTP 503."""
 
 
-# What a request may not set: the engine's compiled program fixes them (block_length and cache are the engine's;
-# a request's length is its max_tokens), and guidance would need twice the rows.
-FIXED = ("gen_length", "block_length", "cache", "block_grid", "cfg_scale")
+def cache_choices(cache: str) -> tuple[str, ...]:
+    """The cache modes a request may name on a server running `cache`: auto, and the server's own."""
+    return ("auto",) if cache == "auto" else ("auto", cache)
 
 
 @dataclass(frozen=True)
 class Request:
     """One generation: its prompt, at most `max_tokens` tokens (rounded up to whole blocks inside the engine; the
     tokens it reports never exceed `max_tokens`), and the sampler settings it runs with (`sampling`: its traced
-    settings; the engine fixes those of `FIXED`, which must be left at their defaults or set to the engine's own
-    values). `sampling.steps_per_block` defaults to block_length: one token a step."""
+    settings; the engine fixes those of `settings.SERVER_FIXED`, which must be left at their defaults or set to the
+    engine's own values). `sampling.steps_per_block` defaults to block_length: one token a step."""
 
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplerConfig = field(default_factory=SamplerConfig)
 
     def row_settings(self, block_length: int) -> SamplerConfig:
-        """The settings the request's row runs with: `sampling` over its whole blocks of the engine's length."""
+        """The settings the request's row runs with: `sampling` over its whole blocks of the engine's length
+        (`.n_blocks` of the result: the blocks it runs at most)."""
         n_blocks = -(-self.max_tokens // block_length) if isinstance(self.max_tokens, int) else 1
         return self.sampling.replace(gen_length=max(n_blocks, 1) * block_length, block_length=block_length,
                                      cache="auto", block_grid="auto")
@@ -62,9 +63,9 @@ class Request:
     def check(self, block_length: int, cache: str, vocab_size: int, max_prompt: int, max_tokens: int,
               spell: Mapping[str, str] | None = None, given: Collection[str] = ()) -> None:
         """Raise BadRequest naming the first problem (cheap, before the request is queued); settings are named as
-        `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `FIXED` must be left at its
-        default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows), which must
-        be the engine's even when they equal the default."""
+        `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `settings.SERVER_FIXED` must be
+        left at its default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows),
+        which must be the engine's even when they equal the default."""
         name = (lambda n: (spell or {}).get(n, n))
 
         def need(ok: bool, msg: str, param: str | None = None) -> None:
@@ -84,9 +85,10 @@ class Request:
         need(s.block_length in (*loose, block_length),
              f"{name('block_length')} must be {block_length} (the block length this server runs), got "
              f"{s.block_length}", name("block_length"))
-        need(s.cache in ("auto", cache), f"{name('cache')} must be 'auto' or {cache!r} (this server's cache mode is "
-             f"fixed at start), got {s.cache!r}", name("cache"))
-        for key in FIXED:
+        allowed = cache_choices(cache)
+        need(s.cache in allowed, f"{name('cache')} must be {' or '.join(map(repr, allowed))} (this server's cache "
+             f"mode is fixed at start), got {s.cache!r}", name("cache"))
+        for key in SERVER_FIXED:
             if key not in ("block_length", "cache"):
                 need(getattr(s, key) == SETTINGS[key].default,
                      f"{name(key)} is not a per-request setting of this server", name(key))

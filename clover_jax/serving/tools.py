@@ -105,7 +105,7 @@ def _parse_tool(value: Any, where: str) -> ToolSpec:
         raise FieldError(f"{where}.function.name is required (a non-empty string)", f"{where}.function.name")
     if not _NAME.match(name):
         raise FieldError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.'",
-                        f"{where}.function.name")
+                         f"{where}.function.name")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise FieldError(f"{where}.function.description must be a string", f"{where}.function.description")
@@ -114,15 +114,15 @@ def _parse_tool(value: Any, where: str) -> ToolSpec:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise FieldError(f"{where}.function.parameters must be a JSON-schema object ({{\"type\": \"object\", ...}})",
-                        f"{where}.function.parameters")
+                         f"{where}.function.parameters")
     for key in ("properties",):
         if key in parameters and not isinstance(parameters[key], dict):
             raise FieldError(f"{where}.function.parameters.{key} must be an object",
-                            f"{where}.function.parameters.{key}")
+                             f"{where}.function.parameters.{key}")
     required = parameters.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise FieldError(f"{where}.function.parameters.required must be a list of strings",
-                        f"{where}.function.parameters.required")
+                         f"{where}.function.parameters.required")
     return ToolSpec(name, parameters, description)
 
 
@@ -132,13 +132,13 @@ def _parse_choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     if isinstance(value, str):
         if value not in CHOICES:
             raise FieldError(f"tool_choice must be one of {', '.join(CHOICES)} or a named function, got {value!r}",
-                            "tool_choice")
+                             "tool_choice")
         return value, None
     function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise FieldError("tool_choice must be \"auto\", \"none\", \"required\" or "
-                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if name not in names:
         raise FieldError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
     return "function", name
