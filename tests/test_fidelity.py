@@ -189,9 +189,9 @@ def test_generate_dispatch_and_rule_flags(capsys):
     assert main(["generate", "x", "--model", "test-llada2", "--dispatch", "bogus"]) == 2
     assert "--dispatch: unknown MoE dispatch 'bogus'" in capsys.readouterr().err
     assert main(["generate", "x", "--model", "test-llada2", "--block-grid", "diagonal"]) == 2
-    assert "unknown block grid 'diagonal'" in capsys.readouterr().err
+    assert "error: --block-grid must be one of auto, prompt, absolute, got 'diagonal'" in capsys.readouterr().err
     assert main(["generate", "x", "--model", "test-llada2", "--confidence", "vibes"]) == 2
-    assert "unknown confidence rule 'vibes'" in capsys.readouterr().err
+    assert "error: --confidence must be one of auto, logits, sampling, got 'vibes'" in capsys.readouterr().err
     assert main(["generate", "ab", "--model", "test-llada2", "--dispatch", "dense", "--gen-length", "8",
                  "--block-length", "8", "--block-grid", "absolute", "--confidence", "logits"]) == 0
     assert "forward passes" in capsys.readouterr().err
