@@ -23,7 +23,9 @@ FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only schemes of `model.quant`
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"  # the two kinds of `layer_types`
-BD_GDN_MODES = ("none", "reconstructed")  # how Gated DeltaNet layers use Clover's block-diffusion tensors
+# How Gated DeltaNet layers use Clover's block-diffusion tensors (docs/model.md): causal_prefix as Clover's ports run
+# it, reconstructed (this project's earlier reading), none (ignored: the plain causal model, as llama.cpp runs it).
+BD_GDN_MODES = ("none", "reconstructed", "causal_prefix")
 MAX_LAYER_GROUP = 8  # the layers of one group are unrolled inside the scan over groups
 
 
@@ -76,9 +78,11 @@ class ModelConfig:
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ w_gate) (Qwen3.5)
     # Clover's block-diffusion Gated DeltaNet. `bd_conv_right_kernel` > 0: every Gated DeltaNet layer carries
     # the four extra tensors (conv_right_weight of that many taps, bd_softmax_logit_scale / _history_bias /
-    # _history_c). `bd_gdn` says how they are used: "reconstructed" (this project's reading of them, see the
-    # docs/model.md: bidirectional inside a block, the committed prefix only through the recurrent state) or "none"
-    # (ignored: the plain causal Gated DeltaNet, as llama.cpp runs Clover).
+    # _history_c). `bd_gdn` says how they are used (docs/model.md): "causal_prefix" (as Clover's ports run it: the
+    # prompt and every committed block through the plain causal Qwen3.5 path, only the block being denoised
+    # bidirectional, with the right conv and a block softmax over the clean state), "reconstructed" (this
+    # project's earlier reading: every block, committed or not, in block-diffusion form, block-causal attention)
+    # or "none" (ignored: the plain causal Gated DeltaNet, as llama.cpp runs Clover).
     bd_gdn: str = "none"
     bd_conv_right_kernel: int = 0
     # Special tokens.
@@ -163,8 +167,16 @@ class ModelConfig:
 
     @property
     def is_bd_gdn(self) -> bool:
-        """Whether the Gated DeltaNet layers run in block-diffusion mode (`bd_gdn == "reconstructed"`)."""
-        return self.bd_gdn == "reconstructed"
+        """Whether the Gated DeltaNet layers run a block-diffusion form (`bd_gdn` "reconstructed" or
+        "causal_prefix")."""
+        return self.bd_gdn in ("reconstructed", "causal_prefix")
+
+    @property
+    def causal_prefix(self) -> bool:
+        """Whether clean text runs as the causal model (`bd_gdn == "causal_prefix"`): causal attention and the plain
+        Gated DeltaNet over the prompt and every committed block, block diffusion only over the block being
+        denoised."""
+        return self.bd_gdn == "causal_prefix"
 
     @property
     def is_block_causal(self) -> bool:
@@ -278,9 +290,9 @@ def validate(cfg: ModelConfig) -> None:
     need(cfg.bd_conv_right_kernel == 0 or cfg.is_hybrid,
          "bd_conv_right_kernel > 0 needs Gated DeltaNet layers (layer_types with linear_attention)")
     if cfg.is_bd_gdn:
-        need(cfg.has_bd_weights, "bd_gdn='reconstructed' needs the block-diffusion tensors (bd_conv_right_kernel > 0)")
+        need(cfg.has_bd_weights, f"bd_gdn={cfg.bd_gdn!r} needs the block-diffusion tensors (bd_conv_right_kernel > 0)")
         need(cfg.is_block_causal and cfg.block_size > 1,
-             f"bd_gdn='reconstructed' needs block_causal attention with blocks longer than one token "
+             f"bd_gdn={cfg.bd_gdn!r} needs block_causal attention with blocks longer than one token "
              f"(attention={cfg.attention!r}, block_size={cfg.block_size})")
 
 
@@ -306,8 +318,10 @@ _QWEN3_5_35B = dict(
     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
     eos_token_id=248_044, pad_token_id=248_044, mask_token_id=248_319,
 )
+# Clover's right conv has linear_conv_kernel_dim - 1 = 3 taps, x_{t+1} .. x_{t+3} (cortiq's `bdp_conv`); a
+# converted checkpoint takes the count from its conv_right_weight.
 _register(ModelConfig(name="clover-35b-a3b", family="clover", attention="block_causal", block_size=32,
-                      bd_gdn="reconstructed", bd_conv_right_kernel=4, **_QWEN3_5_35B))
+                      bd_gdn="causal_prefix", bd_conv_right_kernel=3, **_QWEN3_5_35B))
 
 # The same backbone as transformers' qwen3_5_moe runs it: causal (blocks of one token).
 _register(ModelConfig(name="qwen3.5-35b-a3b", family="qwen3_5_moe", attention="block_causal", block_size=1,
@@ -323,7 +337,7 @@ _register(ModelConfig(
     rope_theta=10000.0, partial_rotary_factor=0.5, max_seq_len=1024, eos_token_id=2, pad_token_id=0,
     mask_token_id=3, dtype="float32",
     layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=48, linear_value_head_dim=48, bd_gdn="reconstructed", bd_conv_right_kernel=4,
+    linear_key_head_dim=48, linear_value_head_dim=48, bd_gdn="causal_prefix", bd_conv_right_kernel=3,
 ))
 
 # The first shipped model's all-attention layout at the same size (4 gated attention layers): the
@@ -386,6 +400,14 @@ _register(ModelConfig(
     block_size=8, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
     layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=8, bd_gdn="reconstructed", bd_conv_right_kernel=3,
+    **_TEST_COMMON,
+))
+_register(ModelConfig(
+    name="test-clover-prefix", family="clover", n_layers=4, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
+    expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, shared_expert_gate=True, attention="block_causal",
+    block_size=8, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
+    layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=8, bd_gdn="causal_prefix", bd_conv_right_kernel=3,
     **_TEST_COMMON,
 ))
 _register(ModelConfig(

@@ -414,10 +414,12 @@ def test_clover_moe_hybrid_layout_converts_runs_and_exports_bit_exact(tmp_path, 
                                                                                      ["CloverMoeModelLM"], 8)
     hf_cfg.pop("block_size")
     hf_cfg["block_length"] = 8  # the hub's name for the block field is not known: read under either name
+    assert hf_cfg.pop("bd_gdn") == "reconstructed"  # written when not the default; the hub's config has none
     write_hf(tmp_path / "hf", tensors, hf_cfg)
     convert(str(tmp_path / "hf"), str(tmp_path / "native"), progress=False)
     cfg2, w = checkpoint.load_model(str(tmp_path / "native"))
-    assert (cfg2.family, cfg2.block_size, cfg2.bd_gdn, cfg2.bd_conv_right_kernel) == ("clover", 8, "reconstructed", 3)
+    # without a bd_gdn field a clover_moe checkpoint runs as its ports run it
+    assert (cfg2.family, cfg2.block_size, cfg2.bd_gdn, cfg2.bd_conv_right_kernel) == ("clover", 8, "causal_prefix", 3)
     assert cfg2.mask_token_id == cfg.mask_token_id and cfg2.layer_types == cfg.layer_types
     right = params.ungroup_channels(np.asarray(w.linear_layers.attn.conv_right[0], np.float32), cfg)  # [Kr, C]
     src = tensors[f"{la}.conv_right_weight"].astype(np.float32)

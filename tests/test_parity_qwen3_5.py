@@ -146,3 +146,59 @@ def test_text_rope_is_plain_partial_rope(models):
     rows = torch.stack([pos, pos + 1, pos + 2])  # distinct rows: a different rotation
     cos3, _ = model.model.rotary_emb(x, rows)
     assert not torch.allclose(cos3, cos)
+
+
+def _as_clover(cfg, weights):
+    """The same backbone as Clover as its ports run it (`bd_gdn="causal_prefix"`, blocks of 8): Clover's four
+    block-diffusion tensors added (random, large enough to show if they leaked into clean text)."""
+    from clover_jax.model import params
+
+    clover = cfg.replace(family="clover", bd_gdn="causal_prefix", bd_conv_right_kernel=3, block_size=8)
+    bd = params.init(clover.replace(init_std=0.5), jax.random.key(3)).linear_layers.attn
+    attn = weights.linear_layers.attn.replace(conv_right=bd.conv_right, bd_logit_scale=bd.bd_logit_scale + 2,
+                                              bd_history_bias=bd.bd_history_bias + 1, bd_history_c=bd.bd_history_c + 1)
+    return clover, weights.replace(linear_layers=weights.linear_layers.replace(attn=attn))
+
+
+@pytest.mark.parametrize(("length", "recurrent_max"), [(24, 256), (80, 64)])
+def test_clover_clean_text_is_transformers_causal_model(models, length, recurrent_max, monkeypatch):
+    """Clover as its ports run it scores clean text through the causal Qwen3.5 path: its logits are transformers'
+    Qwen3_5MoeForCausalLM's on the same weights with the block-diffusion tensors dropped (what llama.cpp loads and
+    cortiq's commits and `ppl` run), within 1e-4, a left-padded batch included."""
+    from clover_jax.model import delta_rule
+
+    monkeypatch.setattr(delta_rule, "RECURRENT_MAX", recurrent_max)
+    model, cfg, weights, _ = models
+    clover, cw = _as_clover(cfg, weights)
+    tokens = np.array(jax.random.randint(jax.random.key(length + 1), (3, length), 2, cfg.vocab_size))
+    valid = np.ones(tokens.shape, bool)
+    valid[1, :7] = False
+    tokens[~valid] = 0
+    want = _hf_logits(model, tokens, valid)
+    got = np.asarray(jax.jit(lambda w, t, v: transformer.apply(w, clover, t, v, dispatch="dense"))(
+        cw, jnp.asarray(tokens), jnp.asarray(valid)))
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=0)
+    earlier = np.asarray(transformer.apply(cw, clover.replace(bd_gdn="reconstructed"), jnp.asarray(tokens),
+                                           jnp.asarray(valid), dispatch="dense"))
+    assert np.abs(earlier[valid] - want[valid]).max() > 1e-2  # the earlier block-causal reading does not
+
+
+def test_clover_likelihood_is_transformers_exact_log_likelihood(models):
+    """lm-eval's likelihoods of Clover as its ports run it are exact: the causal model's log p(answer | prompt), as
+    transformers computes it, not a Monte-Carlo bound."""
+    from clover_jax.evaluation.likelihood import exact
+
+    model, cfg, weights, _ = models
+    clover, cw = _as_clover(cfg, weights)
+    prompt, answer = [5, 17, 99, 3, 42, 8], [77, 12, 200, 31, 9]
+    tokens = np.asarray([prompt + answer])
+    logp = torch.log_softmax(torch.from_numpy(_hf_logits(model, tokens, np.ones(tokens.shape, bool))), -1).numpy()
+    want = sum(logp[0, len(prompt) - 1 + i, a] for i, a in enumerate(answer))
+    got = exact(cw, clover, prompt, answer, dispatch="dense")
+    assert got.stderr == 0 and got.samples == 1
+    np.testing.assert_allclose(got.mean, want, atol=1e-3)
+    greedy: list[int] = []  # transformers' own greedy continuation, one token at a time
+    for _ in answer:
+        ids = np.asarray([prompt + greedy])
+        greedy.append(int(_hf_logits(model, ids, np.ones(ids.shape, bool))[0, -1].argmax()))
+    assert exact(cw, clover, prompt, greedy, dispatch="dense").greedy and not got.greedy

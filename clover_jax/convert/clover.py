@@ -46,6 +46,7 @@ PREFIXES = (*qwen3_5_moe.PREFIXES, "")
 BD_SCALARS = {"bd_softmax_logit_scale": "bd_logit_scale", "bd_softmax_history_bias": "bd_history_bias",
               "bd_softmax_history_c": "bd_history_c"}
 CONV_RIGHT = "conv_right_weight"
+DEFAULT_BD_GDN = "causal_prefix"  # how a clover_moe checkpoint runs when its config.json does not say (its ports)
 
 
 def detect(hf: dict[str, Any]) -> bool:
@@ -78,11 +79,11 @@ def _hybrid_config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token
 def tensor_fields(hf: dict[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
     """Config fields read from the checkpoint's tensors rather than config.json: the right conv's taps
     (`bd_conv_right_kernel`) and, with the tensors present, `bd_gdn` (config.json's, default
-    "reconstructed"). Empty for the all-attention layout."""
+    "causal_prefix": Clover as its ports run it). Empty for the all-attention layout."""
     right = next((k for k in tensors if k.endswith(f".linear_attn.{CONV_RIGHT}")), None)
     if not _is_hybrid(hf) or right is None:
         return {}
-    return {"bd_conv_right_kernel": int(tuple(tensors[right].shape)[-1]), "bd_gdn": hf.get("bd_gdn", "reconstructed")}
+    return {"bd_conv_right_kernel": int(tuple(tensors[right].shape)[-1]), "bd_gdn": hf.get("bd_gdn", DEFAULT_BD_GDN)}
 
 
 def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int | None) -> ModelConfig:
@@ -106,15 +107,15 @@ def config_from_hf(hf: dict[str, Any], name: str, dtype: str, mask_token_id: int
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json dict of `cfg`. Hybrid: the Qwen3.5 text fields plus block_size and the mask token
-    (and bd_gdn when it is "none"). All-attention: the Qwen-style fields plus every native field, so it
-    round-trips."""
+    (and bd_gdn unless it is the default, "causal_prefix"). All-attention: the Qwen-style fields plus every
+    native field, so it round-trips."""
     if cfg.is_hybrid:
         common.refuse(not cfg.is_block_causal, f"{NAME} attention is block-causal")
         out = qwen3_5_moe.text_config_to_hf(cfg, NAME)
         out.update(model_type="clover_moe", architectures=[HYBRID_ARCHITECTURE], block_size=cfg.block_size,
                    name=cfg.name)
-        if cfg.has_bd_weights and cfg.bd_gdn == "none":
-            out["bd_gdn"] = "none"
+        if cfg.has_bd_weights and cfg.bd_gdn != DEFAULT_BD_GDN:
+            out["bd_gdn"] = cfg.bd_gdn
         return out
     common.refuse_qwen3_5_features(cfg, NAME)
     out = common.common_to_hf(cfg)

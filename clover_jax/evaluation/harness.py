@@ -9,7 +9,9 @@ registry only (no entry points), so nothing is registered on import: `register()
 
 Requests:
   loglikelihood          the masked-diffusion Monte-Carlo estimator (`likelihood.estimate`), `mc_num` draws in
-                         passes of `batch_size` rows; each estimate's standard error is kept in `estimates`.
+                         passes of `batch_size` rows; each estimate's standard error is kept in `estimates`. A
+                         causal-prefix model (Clover as its ports run it) is the causal model on clean text: its
+                         likelihood is exact (`likelihood.exact`, one pass, standard error 0), is_greedy too.
                          is_greedy: with `check_greedy=true`, whether one pass over the fully masked answer
                          predicts every answer token (its argmax); otherwise False: a masked-diffusion model has no
                          single greedy continuation, and the step-by-step check costs one pass per token.
@@ -46,7 +48,7 @@ from tqdm import tqdm
 from clover_jax import shipped
 from clover_jax.checkpoint import load_model
 from clover_jax.errors import EvaluationError, SamplerError
-from clover_jax.evaluation.likelihood import Estimate, estimate
+from clover_jax.evaluation.likelihood import Estimate, estimate, exact
 from clover_jax.sampler import SamplerConfig, batch_bucket, check_model, check_settings, generate
 from clover_jax.sampler.settings import MODEL_ARGS, parse_value
 from clover_jax.tokenizer import load_tokenizer
@@ -203,6 +205,10 @@ class CloverLM(LM):
         if len(answer) > self.max_length:
             raise EvaluationError(f"an answer of {len(answer)} tokens exceeds max_length ({self.max_length})")
         prompt = list(prompt)[max(0, len(prompt) + len(answer) - self.max_length):]
+        if self.cfg.causal_prefix:  # clean text is the causal model: its likelihood is exact
+            est = exact(self.weights, self.cfg, prompt, answer, dispatch=s.dispatch)
+            self.estimates.append((kind, est))
+            return est
         key = zlib.crc32(np.asarray([*prompt, -1, *answer], np.int64).tobytes())
         est = estimate(self.weights, self.cfg, prompt, answer, mc_num=s.mc_num, batch_size=s.batch_size,
                        cfg_scale=s.cfg_scale, seed=int(np.random.SeedSequence([s.seed, key]).generate_state(1)[0]),

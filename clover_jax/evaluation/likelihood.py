@@ -23,6 +23,9 @@ estimate of the sum of the blocks' own bounds (shared t, each block's term is it
 block-diffusion likelihood bound.
 Bidirectional models see the whole masked sequence, exactly as in LLaDA.
 
+A causal-prefix model (`cfg.causal_prefix`: Clover as its ports run it) is the causal model on clean text, so its
+likelihood is exact: `exact`, one clean pass, sum of log p(token | the tokens before it).
+
 Guidance (`cfg_scale` > 0): an unconditional pass with the prompt masked as well, logits combined as
 `un + (scale + 1) (cond - un)` before the log-softmax (LLaDA's formula).
 
@@ -46,6 +49,7 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.errors import EvaluationError
 from clover_jax.model import masks
+from clover_jax.model.transformer import forward
 from clover_jax.sampler.scoring import guide
 from clover_jax.training.losses import denoising_forward
 
@@ -189,3 +193,36 @@ def estimate(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequ
     n = len(losses)
     stderr = float(losses.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
     return Estimate(float(-losses.mean()), stderr, n, greedy, spent[0])
+
+
+@partial(jax.jit, static_argnames=("cfg", "dispatch"))
+def causal_logprob(weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, answer: Array,
+                   dispatch: str | None = None) -> tuple[Array, Array]:
+    """(sum over answer columns of log p(token | the tokens before it) [R], every answer column the argmax [R]) for
+    rows [R, T] (left-padded), by one clean pass of a causal-prefix model (`cfg.causal_prefix`: clean text is the
+    causal model, so this is its exact log-likelihood, the path Clover's ports score text by)."""
+    logits = forward(weights, cfg, tokens, valid=valid, dispatch=dispatch).logits[:, :-1].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nxt, scored = tokens[:, 1:], answer[:, 1:]
+    token_lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
+    greedy = jnp.all(jnp.where(scored, jnp.argmax(logits, -1) == nxt, True), axis=-1)
+    return jnp.sum(jnp.where(scored, token_lp, 0.0), axis=-1), greedy
+
+
+def exact(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequence[int], *, min_len: int = 32,
+          dispatch: str | None = None) -> Estimate:
+    """log p(answer | prompt) of a causal-prefix model, exactly (`causal_logprob`): standard error 0 from one pass;
+    `greedy`: every answer token is the argmax after the tokens before it. The prompt needs at least one token (the
+    first answer token is predicted from it)."""
+    if not prompt:
+        raise EvaluationError("an exact causal likelihood needs a prompt of at least one token (e.g. the end token)")
+    n = len(prompt) + len(answer)
+    width = min(seq_bucket(n, min_len), max(cfg.max_seq_len, n))
+    if width > cfg.max_seq_len:
+        raise EvaluationError(f"prompt + answer ({n} tokens) exceed the model's max_seq_len ({cfg.max_seq_len})")
+    lay = layout(cfg, prompt, answer, width)
+    t0 = time.perf_counter()
+    answer_cols = lay.valid & ~lay.prompt
+    lp, greedy = causal_logprob(weights, cfg, jnp.asarray(lay.tokens[None]), jnp.asarray(lay.valid[None]),
+                                jnp.asarray(answer_cols[None]), dispatch=dispatch)
+    return Estimate(float(lp[0]), 0.0, 1, bool(greedy[0]), time.perf_counter() - t0)

@@ -225,7 +225,8 @@ class Stream(NamedTuple):
 
 def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | None = None,
                       commit: Array | int | None = None, history: bool = False,
-                      noisy: Stream | None = None) -> tuple[Array, Array | None, Array]:
+                      noisy: Stream | None = None, noisy_history: bool | None = None
+                      ) -> tuple[Array, Array | None, Array]:
     """The gated delta rule one position at a time, aware of diffusion blocks.
 
     The state advances over every valid position of `x` as in `delta_rule_recurrent`. What each position
@@ -235,8 +236,9 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
                      blocks before it left): the committed prefix, never the block itself.
     noisy: a second stream aligned with `x` by column (block-diffusion training: x is the clean sequence,
     noisy the same sequence with masked tokens). Its read-outs use the clean state of the blocks before its
-    own block: history=True reads S_b with the noisy queries; history=False runs the noisy tokens of the
-    block causally from S_b (a noisy block never writes the clean state).
+    own block: noisy_history (default `history`) True reads S_b with the noisy queries; False runs the noisy
+    tokens of the block causally from S_b (a noisy block never writes the clean state). Clover as its ports run
+    it takes history=False (the clean stream is the causal model) with noisy_history=True.
 
     blocks [B, T] block ids (a new block starts where a valid column's id differs from the previous valid
     column's); valid [B, T]. state [B, Hv, dk, dv] float32 (None: zeros). commit: the returned state is the
@@ -246,6 +248,7 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
     b, _, hv, dv = x.v.shape
     dk = x.q.shape[-1]
     f32 = jnp.float32
+    noisy_history = history if noisy_history is None else noisy_history
 
     def time_major(st: Stream) -> tuple[Array, ...]:
         q, k = _group_keys(st.q, st.k, hv)
@@ -270,14 +273,14 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
         on = None
         if nt is not None:
             qn, kn, vn, gn, bn = nt
-            if history:
+            if noisy_history:
                 on = _read(snap, qn)
             else:
                 n = _update(jnp.where(start, snap, n), kn, vn, gn, bn)
                 on = _read(n, qn)
         return (s_new, snap, n, cur, kept), (o, on)
 
-    init = (state, state, state if (noisy is not None and not history) else None,
+    init = (state, state, state if (noisy is not None and not noisy_history) else None,
             jnp.full((b,), -1, jnp.int32), None if commit is None else state)
     (final, _, _, _, kept), (o, on) = jax.lax.scan(step, init, xs)
     return jnp.moveaxis(o, 0, 1), None if on is None else jnp.moveaxis(on, 0, 1), final if kept is None else kept
@@ -297,7 +300,8 @@ def _block_starts(blocks: Array, valid: Array) -> Array:
 
 def delta_rule_blocks_chunked(x: Stream, blocks: Array, valid: Array, state: Array | None = None,
                               commit: Array | int | None = None, history: bool = False,
-                              noisy: Stream | None = None, chunk: int = CHUNK) -> tuple[Array, Array | None, Array]:
+                              noisy: Stream | None = None, noisy_history: bool | None = None,
+                              chunk: int = CHUNK) -> tuple[Array, Array | None, Array]:
     """`delta_rule_blocks` in chunks of `chunk` positions (the chunked algorithm of `delta_rule_chunked`): same
     contract, every combination of history / noisy / commit, and the same results (float32 rounding), for block
     ids >= 0 and blocks that never cover more than `chunk` columns from their first valid column to the next
@@ -320,6 +324,7 @@ def delta_rule_blocks_chunked(x: Stream, blocks: Array, valid: Array, state: Arr
     dk = x.q.shape[-1]
     f32 = jnp.float32
     n = -(-t // chunk)
+    noisy_history = history if noisy_history is None else noisy_history
 
     def chunked(st: Stream) -> tuple[Array, ...]:  # q, k, v, g, beta as [N, B, H, C, ...]
         q, k = _group_keys(st.q, st.k, hv)
@@ -358,7 +363,7 @@ def delta_rule_blocks_chunked(x: Stream, blocks: Array, valid: Array, state: Arr
     extra = None
     if noisy is not None:
         qn, kn, vn, gn, bn = chunked(noisy)
-        if history:
+        if noisy_history:
             streams.append(reads(qn, starts))
         else:  # the noisy blocks as runs over the window, from their block-start states
             qn, kn, vn, bn, sn = window(qn), window(kn), window(vn), window(bn), window(starts, -1)

@@ -213,13 +213,17 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
             raise ValueError("block-diffusion Gated DeltaNet needs the window's block ids")
         blocks = jnp.zeros(x.shape[:2], jnp.int32)
     x = jnp.where(valid[:, :, None], x, 0)
+    if cfg.causal_prefix:
+        if two_stream:
+            return _prefix_two_stream(x, w, cfg, valid, blocks)
+        return _prefix_mixer(x, w, cfg, valid, state, blocks, commit)
     if two_stream:
         return _two_stream(x, w, cfg, valid, blocks)
     proj = _project(x, w)
     keep = None if commit is None else valid & (jnp.arange(x.shape[1])[None] < commit)
     mixed, tail = _causal_by_group(proj, w, cfg, None if state is None else state.conv_tail, valid, keep)
     if bd:
-        right = _by_group(right_conv, proj, w.conv_right, cfg, blocks, valid)
+        right = _by_group(right_conv, proj, w.conv_right, cfg, blocks, valid, 0)
         mixed = [m + r for m, r in zip(mixed, right, strict=True)]
     st = _heads(mixed, x, w, cfg, valid)
     initial = None if state is None else state.recurrent
@@ -248,7 +252,7 @@ def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Arra
     mixed_c, tail = _causal_by_group(pc, w, cfg, None, valid)
     mixed_n = [two_stream_conv(_part(pn, g), _part(pc, g), _part(w.conv, g), blocks) for g in _groups(cfg)]
     if bd:
-        right_c, right_n = (_by_group(right_conv, p, w.conv_right, cfg, blocks, valid) for p in (pc, pn))
+        right_c, right_n = (_by_group(right_conv, p, w.conv_right, cfg, blocks, valid, 0) for p in (pc, pn))
         mixed_c = [m + r for m, r in zip(mixed_c, right_c, strict=True)]
         mixed_n = [m + r for m, r in zip(mixed_n, right_n, strict=True)]
     clean, noisy = _heads(mixed_c, xc, w, cfg, valid), _heads(mixed_n, xn, w, cfg, valid)
@@ -256,5 +260,66 @@ def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Arra
     if bd:
         oc = inblock_attention(clean.q, clean.k, clean.v, oc, blocks, valid, w, cfg.block_size)
         on = inblock_attention(noisy.q, noisy.k, noisy.v, on, blocks, valid, w, cfg.block_size)
+    y = jnp.concatenate([_output(on, xn, w, cfg), _output(oc, xc, w, cfg)], axis=1)
+    return y, MixerState(recurrent, tail)
+
+
+# ---- Clover as its ports run it: a causal clean prefix, the block being denoised previewed over it --------------
+
+
+def _preview(st: Stream, state: Array, blocks: Array, noisy: Array, w: GatedDeltaNetWeights, cfg: ModelConfig
+             ) -> Array:
+    """The read-out of noisy columns (`noisy` [B, T]): the block softmax over each column's block (its noisy
+    columns only) with the history slot holding the clean state's read-out S^T q (`read_state`, `state` [B, Hv,
+    dk, dv]: what the clean prefix left). [B, T, Hv, dv] float32."""
+    return inblock_attention(st.q, st.k, st.v, read_state(st.q, state), blocks, noisy, w, cfg.block_size)
+
+
+def _prefix_mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, state: MixerState | None,
+                  blocks: Array, commit: Array | int | None) -> tuple[Array, MixerState]:
+    """`mixer` for `cfg.causal_prefix`: the window's first `commit` valid columns (None: all) are clean and run
+    Qwen3.5's causal path (the causal conv, the plain delta rule), so the state and conv tail they leave are the
+    causal model's; the columns after them are noisy (the block being denoised, and in a whole-canvas pass the
+    masked blocks after it, whose outputs nobody reads) and previewed from what the clean columns left: the causal
+    conv over [clean ring | block] plus the right conv inside the block, SiLU, then the block softmax with the
+    clean state's read-out in its history slot (`_preview`). Noisy columns never write the state or the tail."""
+    t = x.shape[1]
+    clean = valid if commit is None else valid & (jnp.arange(t)[None] < commit)
+    noisy = valid & ~clean
+    proj = _project(x, w)
+    mixed, tail = _causal_by_group(proj, w, cfg, None if state is None else state.conv_tail, valid, clean)
+    if commit is not None:
+        right = _by_group(right_conv, proj, w.conv_right, cfg, blocks, noisy, 1)
+        mixed = [m + jnp.where(noisy[:, :, None], r, 0) for m, r in zip(mixed, right, strict=True)]
+    st = _heads(mixed, x, w, cfg, valid)
+    initial = None if state is None else state.recurrent
+    if isinstance(commit, int) and commit == 0:  # a refinement pass: nothing is clean, the state stays
+        recurrent = zero_state(x.shape[0], *initial_shape(cfg)) if initial is None else initial.astype(jnp.float32)
+        o = _preview(st, recurrent, blocks, noisy, w, cfg)
+    else:  # the clean columns through the plain rule (noisy ones as padding: no decay, no write)
+        g, beta = mask_padding(st.g, st.beta, clean)
+        o, recurrent = plain_rule(t)(st.q, st.k, st.v, g, beta, initial)
+        if commit is not None:
+            o = jnp.where(noisy[:, :, None, None], _preview(st, recurrent, blocks, noisy, w, cfg), o)
+    return _output(o, x, w, cfg), MixerState(recurrent, tail)
+
+
+def _prefix_two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, blocks: Array
+                       ) -> tuple[Array, MixerState]:
+    """`_two_stream` for `cfg.causal_prefix`: the clean half runs the causal model (causal conv, plain delta
+    rule); each noisy block is previewed from the clean prefix before it, as at inference: its causal conv taps
+    before the block read clean inputs, the right conv stays inside the block, and its block softmax reads the
+    clean state at the block's start."""
+    seq = x.shape[1] // 2
+    xn, xc = x[:, :seq], x[:, seq:]
+    valid, blocks = valid[:, seq:], blocks[:, seq:]
+    pn, pc = _project(xn, w), _project(xc, w)
+    mixed_c, tail = _causal_by_group(pc, w, cfg, None, valid)
+    mixed_n = [two_stream_conv(_part(pn, g), _part(pc, g), _part(w.conv, g), blocks) for g in _groups(cfg)]
+    right_n = _by_group(right_conv, pn, w.conv_right, cfg, blocks, valid, 1)
+    mixed_n = [m + r for m, r in zip(mixed_n, right_n, strict=True)]
+    clean, noisy = _heads(mixed_c, xc, w, cfg, valid), _heads(mixed_n, xn, w, cfg, valid)
+    oc, hist, recurrent = blocks_rule(seq, cfg.block_size)(clean, blocks, valid, noisy=noisy, noisy_history=True)
+    on = inblock_attention(noisy.q, noisy.k, noisy.v, hist, blocks, valid, w, cfg.block_size)
     y = jnp.concatenate([_output(on, xn, w, cfg), _output(oc, xc, w, cfg)], axis=1)
     return y, MixerState(recurrent, tail)

@@ -2,7 +2,10 @@
 
 A block-diffusion model attends by blocks: `bidirectional` models see every valid key,
 `block_causal` ones see full attention inside a block and causal attention across blocks
-(a query sees keys whose block id is <= its own). Masks are boolean [B, Tq, Tk], True where the
+(a query sees keys whose block id is <= its own). A causal-prefix model (`cfg.causal_prefix`, Clover as its
+ports run it) is causal on clean text, which is block-causal with every clean token a block of its own
+(`clean_block_ids`); only the block being denoised is one block, after every clean column
+(`prefix_canvas_ids`). Masks are boolean [B, Tq, Tk], True where the
 query may attend to the key. Positions count only valid (non-padding) tokens, so left padding never
 shifts a row; block ids follow each row's own positions (LLaDA2's absolute blocks).
 
@@ -34,6 +37,20 @@ def positions(valid: Array) -> Array:
 def block_ids(cfg: ModelConfig, valid: Array) -> Array:
     """Block ids [B, T] aligned to each row's own positions: position // cfg.block_size."""
     return positions(valid) // cfg.block_size
+
+
+def clean_block_ids(cfg: ModelConfig, pos: Array) -> Array:
+    """The block ids of clean (committed) columns at positions `pos`, as the model's attention reads them:
+    position // block_size; for a causal-prefix model the position itself (causal attention)."""
+    return pos if cfg.causal_prefix else pos // cfg.block_size
+
+
+def prefix_canvas_ids(pos: Array, first_noisy: Array | int, prompt_len: int, block_length: int) -> Array:
+    """A causal-prefix model's block ids on the sampler's canvas [B, S] while the block at column `first_noisy`
+    is denoised: every column before it is clean (its own position: causal), generated block j (columns
+    prompt_len + j*L ...) from there on is block S + j, after every clean one."""
+    col = jnp.arange(pos.shape[-1])[None]
+    return jnp.where(col < first_noisy, pos, pos.shape[-1] + (col - prompt_len) // block_length)
 
 
 BLOCK_GRIDS = ("prompt", "absolute")
@@ -87,26 +104,31 @@ def attention_mask(q_valid: Array, q_block: Array, k_valid: Array, k_block: Arra
 
 
 def full_mask(cfg: ModelConfig, valid: Array, blocks: Array | None = None) -> Array:
-    """Mask for a cache-free pass over [B, T] tokens: padding keys hidden, block-causal if configured."""
+    """Mask for a cache-free pass over [B, T] clean tokens: padding keys hidden, block-causal if configured (a
+    causal-prefix model: causal, `clean_block_ids`)."""
     if blocks is None:
-        blocks = block_ids(cfg, valid)
+        blocks = clean_block_ids(cfg, positions(valid))
     return attention_mask(valid, blocks, valid, blocks, cfg.is_block_causal)
 
 
-def block_diffusion_mask(valid: Array, blocks: Array) -> Array:
+def block_diffusion_mask(valid: Array, blocks: Array, causal_clean: bool = False) -> Array:
     """[B, 2L, 2L] mask for block-diffusion training's concatenated (noisy, clean) sequence, from
     valid / block ids [B, L]:
 
         queries \\ keys     noisy block j          clean block j
         noisy block i      j == i                 j <  i
-        clean block i      never                  j <= i
+        clean block i      never                  j <= i  (causal_clean: the clean keys at or before the query)
     """
     qb, kb = blocks[:, :, None], blocks[:, None, :]
     key_ok = valid[:, None, :]
     noisy_noisy = (qb == kb) & key_ok
     noisy_clean = (kb < qb) & key_ok
     clean_noisy = jnp.zeros_like(noisy_noisy)
-    clean_clean = (kb <= qb) & key_ok
+    if causal_clean:
+        pos = positions(valid)
+        clean_clean = (pos[:, None, :] <= pos[:, :, None]) & key_ok
+    else:
+        clean_clean = (kb <= qb) & key_ok
     top = jnp.concatenate([noisy_noisy, noisy_clean], axis=2)
     bottom = jnp.concatenate([clean_noisy, clean_clean], axis=2)
     return jnp.concatenate([top, bottom], axis=1)

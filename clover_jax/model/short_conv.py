@@ -3,7 +3,8 @@ pytree, no config; `gated_deltanet` applies them to the q/k/v projection, one ch
 
 - `causal_conv`: Qwen3.5's causal conv (kernel K, taps t-K+1 .. t), which carries its last K-1 valid inputs
   from one window to the next as a tail, so that a window whose end is padding continues exactly;
-- `right_conv`: block diffusion's right-looking conv (taps t .. t+Kr-1), restricted to t's block;
+- `right_conv`: block diffusion's right-looking conv, restricted to t's block: taps t+1 .. t+Kr as Clover's
+  ports read it (cortiq's `bdp_conv`), or t .. t+Kr-1 in this project's earlier reconstruction;
 - `two_stream_conv`: the causal conv of the noisy stream in block-diffusion training, whose taps in earlier
   blocks read the clean stream.
 
@@ -61,14 +62,17 @@ def causal_conv(x: Array, weight: Array, tail: Array | None = None, valid: Array
     return y, jnp.take_along_axis(full, idx[:, :, None], axis=1)
 
 
-def right_conv(x: Array, weight: Array, blocks: Array, valid: Array) -> Array:
-    """The right-looking depthwise conv inside a block: y_t = sum_j weight[j] * x_{t+j}, j = 0 .. Kr-1, over
-    the columns t + j that are valid and in t's block (a block never looks into the next one).
+def right_conv(x: Array, weight: Array, blocks: Array, valid: Array, first: int = 1) -> Array:
+    """The right-looking depthwise conv inside a block: y_t = sum_j weight[j] * x_{t+first+j}, j = 0 .. Kr-1, over
+    the columns that are valid and in t's block (a block never looks into the next one). first=1 is Clover's as
+    its ports run it (cortiq's `bdp_conv`: sum_{d=1..kk-1} block[t+d] * right[d-1], x_t itself not among them);
+    first=0 this project's earlier reconstruction (x_t .. x_{t+Kr-1}).
     x [B, T, C]; weight [Kr, C]; blocks [B, T] block ids; valid [B, T]."""
     y = jnp.zeros_like(x)
     for j in range(weight.shape[0]):
-        same = (_shift(blocks, -j) == blocks) & _shift(valid, -j)
-        y = y + jnp.where(same[:, :, None], _shift(x, -j), 0) * weight[j].astype(x.dtype)
+        d = first + j
+        same = (_shift(blocks, -d) == blocks) & _shift(valid, -d)
+        y = y + jnp.where(same[:, :, None], _shift(x, -d), 0) * weight[j].astype(x.dtype)
     return y
 
 

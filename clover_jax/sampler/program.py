@@ -167,14 +167,22 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     rows = (lambda x: jnp.concatenate([x, x], axis=0)) if spec.guidance else (lambda x: x)
     valid_r, pos_r, ids_r = rows(valid), rows(positions), rows(block_ids)
 
+    def ids_at(lo: Array | int) -> Array:
+        """The block ids while the block at column `lo` is denoised: the canvas's, or for a causal-prefix model
+        every column before it clean (causal) and the generated blocks from it on one block each."""
+        return rows(masks.prefix_canvas_ids(positions, lo, p, bl)) if cfg.causal_prefix else ids_r
+
     def model_rows(cv: Array) -> Array:
         if not spec.guidance:
             return cv
         return jnp.concatenate([cv, jnp.where(is_prompt, mask_id, cv)], axis=0)  # unconditional: prompt masked
 
     def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int,
-             commit: Array | int | None = None) -> tuple[Array, Any]:
-        logits, cache = denoise.window_pass(forward_fn, weights, cfg, model_rows(cv), valid_r, ids_r, pos_r, cache,
+             commit: Array | int | None = None, noisy_from: Array | int | None = None) -> tuple[Array, Any]:
+        """The model on canvas columns [lo, lo + width); `noisy_from`: the column of the block being denoised
+        (the block ids follow it for a causal-prefix model; None: the window is all clean, a prefill)."""
+        ids = ids_r if noisy_from is None else ids_at(noisy_from)
+        logits, cache = denoise.window_pass(forward_fn, weights, cfg, model_rows(cv), valid_r, ids, pos_r, cache,
                                             lo, width, logits_start, bl, commit)
         if spec.guidance:
             logits = guide(logits[:b], logits[b:], knobs.cfg_scale)
@@ -212,16 +220,16 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
 
     def step(st: _State) -> _State:
         lo = p + st.block * bl
-        if mode == "none":
-            logits, _ = call(st.canvas, None, 0, t, lo)
+        if mode == "none":  # a causal-prefix model: the columns before the block are clean, the rest noisy
+            logits, _ = call(st.canvas, None, 0, t, lo, lo if cfg.causal_prefix else None, lo)
             return commit(st, logits)
         if bidir:
             later = suffix if mode == "prefix" else (lambda cv, c, lo: call(cv, c, lo, bl, 0))
             logits, cache = jax.lax.cond(st.step == 0, refresh, later, st.canvas, st.cache, lo)
         else:
             # block-causal: [block j-1, block j] at the block's first step (block j-1 final), then block j alone
-            first = lambda cv, c: call(cv, c, lo - bl, 2 * bl, bl, commit=bl)
-            refine = lambda cv, c: call(cv, c, lo, bl, 0, commit=0)
+            first = lambda cv, c: call(cv, c, lo - bl, 2 * bl, bl, commit=bl, noisy_from=lo)
+            refine = lambda cv, c: call(cv, c, lo, bl, 0, commit=0, noisy_from=lo)
             logits, cache, _ = denoise.cached_pass(cfg, bl, first, refine, st.canvas, st.cache, st.step == 0,
                                                    st.block == 0)
         return commit(st._replace(cache=cache), logits)
@@ -253,7 +261,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         if spec.mesh is not None and isinstance(cache, kv_cache.KVCache):  # placed as the server and the plan do
             cache = jax.lax.with_sharding_constraint(cache, kv_cache.shardings(cache, spec.mesh))
         if not bidir:  # block-causal: the prompt's K/V never change, encode them once
-            _, cache = call(canvas, cache, 0, p, 0)
+            _, cache = call(canvas, cache, 0, p, 0, noisy_from=p)
             nfe = jnp.int32(1)
     rec = jnp.zeros((b, g, cfg.vocab_size), jnp.float32) if spec.record_logits else None
     st = _State(canvas, cache, rec, jax.random.key(knobs.seed), jnp.int32(0), jnp.int32(0), nfe, jnp.int32(0),

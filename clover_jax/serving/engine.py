@@ -34,6 +34,7 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import masks
 from clover_jax.model.forward_fn import ForwardFn, ModelForward
 from clover_jax.model.moe import choose_dispatch
 from clover_jax.sampler.generate import check_block_length
@@ -232,7 +233,7 @@ class Engine:
         valid = np.zeros((s,), bool)
         valid[s - bl - n:] = True
         ids = np.zeros((s,), np.int32)
-        ids[s - bl - n:s - bl] = np.arange(n) // self.cfg.block_size
+        ids[s - bl - n:s - bl] = masks.clean_block_ids(self.cfg, np.arange(n))
         ids[s - bl:] = s
         return canvas, valid, ids
 

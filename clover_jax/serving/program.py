@@ -14,7 +14,9 @@ After a block is committed the row shifts left by L (canvas, valid columns, bloc
 cache together) and a fresh block of masks opens at the right. Positions count valid columns
 (`masks.positions`), so the shift never moves a token's position, and block ids are kept per column:
 prompt columns have position // block_size, generated block j has S + j (above every prompt block),
-so attention is exactly the block-causal attention of `sampler.program`'s canvas.
+so attention is exactly the block-causal attention of `sampler.program`'s canvas. A causal-prefix model
+(`cfg.causal_prefix`) gives clean columns their positions instead (`masks.clean_block_ids`: causal attention),
+the prompt's at admission and a block's when it is committed.
 
 Programs (all take and return the whole `SlotState`, whose buffers they donate):
   admit(state, slot, row..., knobs, n_blocks)
@@ -226,8 +228,9 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
 
     def passes(st: _Loop) -> tuple[Array, Any, Array]:
         """This step's logits [b, L, V], cache and model calls."""
-        if cache == "none":  # the whole row
-            return call(st.canvas, None, 0, s, s - bl, None)[0], st.cache, jnp.int32(1)
+        if cache == "none":  # the whole row (a causal-prefix model: clean up to the block, which is noisy)
+            return call(st.canvas, None, 0, s, s - bl, s - bl if cfg.causal_prefix else None)[0], st.cache, \
+                jnp.int32(1)
         first = lambda cv, kv: call(cv, kv, s - 2 * bl, 2 * bl, bl, bl)  # [block j-1, block j]: j-1 is final now
         refine = lambda cv, kv: call(cv, kv, s - bl, bl, 0, 0)  # block j against the cache, nothing final
         return denoise.cached_pass(cfg, bl, first, refine, st.canvas, st.cache, st.step == 0, fresh, active)
@@ -265,7 +268,10 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
 
     canvas = shift(st.canvas, jnp.full((b, bl), mask_id, jnp.int32))
     valid_n = shift(valid, jnp.ones((b, bl), bool))
-    ids_n = shift(ids, jnp.broadcast_to((s + blk_idx + 1)[:, None], (b, bl)).astype(jnp.int32))
+    # the committed block is clean from now on: its ids become those of clean columns (for a causal-prefix model
+    # its positions: causal attention), the new block's S + j + 1
+    done = ids.at[:, s - bl:].set(masks.clean_block_ids(cfg, pos[:, s - bl:])) if cfg.causal_prefix else ids
+    ids_n = shift(done, jnp.broadcast_to((s + blk_idx + 1)[:, None], (b, bl)).astype(jnp.int32))
     kv = st.cache
     if kv is not None:  # the attention K/V move with their columns; the Gated DeltaNet state has none
         kv = kv_cache.put_rows(state.cache, kv_cache.shift_left(kv, bl, go_on))

@@ -87,8 +87,8 @@ def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array
     blk = masks.block_ids(cfg, valid) if blocks is None else blocks
     if cfg.is_block_causal:
         return forward(weights, cfg, jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1),
-                       masks.block_diffusion_mask(valid, blk), logits_len=seq, dispatch=dispatch, remat=remat,
-                       mesh=mesh, valid=jnp.concatenate([valid, valid], axis=1),
+                       masks.block_diffusion_mask(valid, blk, cfg.causal_prefix), logits_len=seq, dispatch=dispatch,
+                       remat=remat, mesh=mesh, valid=jnp.concatenate([valid, valid], axis=1),
                        blocks=jnp.concatenate([blk, blk], axis=1), two_stream=True)
     return forward(weights, cfg, noisy, pos, masks.full_mask(cfg, valid), dispatch=dispatch, remat=remat, mesh=mesh,
                    valid=valid)

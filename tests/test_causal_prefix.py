@@ -1,0 +1,126 @@
+"""Clover as its published ports run it (`bd_gdn="causal_prefix"`): clean text is the causal Qwen3.5 model, the
+block being denoised is previewed over it.
+
+- Clean text: logits equal transformers' own `Qwen3_5MoeForCausalLM` on the same weights (Clover's four
+  block-diffusion tensors dropped, as llama.cpp and cortiq's commit path run it) within 1e-4, padded batch and
+  the chunked delta rule included.
+- The preview conv: equal to a float64 numpy transcription of cortiq-engine 0.8.45's `bdp_conv` kernel
+  (`src/gpu_metal/clover_msl.metal`): out[t] = sum_j in[t+j] * taps[j] over in = [ring (kk-1 clean rows) | block]
+  plus sum_{d=1..kk-1} block[t+d] * right[d-1], then SiLU.
+- Generation: the prefix cache gives the cache-free pass's tokens and logits; a committed block leaves the cache
+  the causal model leaves; the serving engine gives `generate`'s tokens.
+- Training: a noisy block's two-stream logits equal the sampler's preview of it over the causal prefix.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax.config import get_config
+from clover_jax.model import cache as kv_cache
+from clover_jax.model import masks, params, transformer
+from clover_jax.model.short_conv import causal_conv, right_conv
+from clover_jax.sampler import SamplerConfig, generate
+from clover_jax.training import losses
+
+CFG = get_config("test-clover-prefix", init_std=0.1)  # blocks of 8, 3 Gated DeltaNet + 1 attention layer
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return params.init(CFG, jax.random.key(0))
+
+
+def test_right_conv_is_the_ports_bdp_conv():
+    """The preview's conv (the causal conv over [ring | block] plus the right conv inside the block, SiLU) against
+    a float64 numpy transcription of the port's kernel, for kk = 4 (3 right taps) and a block of 6."""
+    rng = np.random.default_rng(0)
+    kk, kb, c = 4, 6, 5
+    taps, right = rng.standard_normal((c, kk)), rng.standard_normal((c, kk - 1))  # the kernel's [cdim][kk], [kk-1]
+    ring, block = rng.standard_normal((kk - 1, c)), rng.standard_normal((kb, c))
+
+    inp = np.concatenate([ring, block])  # in = [ring | block]
+    want = np.zeros((kb, c))
+    for t in range(kb):
+        for ch in range(c):
+            acc = sum(inp[t + j, ch] * taps[ch, j] for j in range(kk))
+            acc += sum(block[t + d, ch] * right[ch, d - 1] for d in range(1, kk) if t + d < kb)
+            want[t, ch] = acc / (1 + np.exp(-acc))  # SiLU
+
+    x = jnp.asarray(block[None], jnp.float32)
+    tail = jnp.asarray(ring[None], jnp.float32)
+    ours, _ = causal_conv(x, jnp.asarray(taps.T, jnp.float32), tail)
+    ids, ok = jnp.zeros((1, kb), jnp.int32), jnp.ones((1, kb), bool)
+    ours = ours + right_conv(x, jnp.asarray(right.T, jnp.float32), ids, ok)  # first=1: x_t itself not a tap
+    np.testing.assert_allclose(np.asarray(jax.nn.silu(ours))[0], want, atol=1e-5, rtol=1e-5)
+    earlier = causal_conv(x, jnp.asarray(taps.T, jnp.float32), tail)[0] + right_conv(
+        x, jnp.asarray(np.concatenate([np.zeros((1, c)), right.T]), jnp.float32), ids, ok, first=0)
+    np.testing.assert_allclose(np.asarray(earlier), np.asarray(ours), atol=1e-6)  # same taps, one offset further
+
+
+def test_clean_text_is_causal_and_ignores_the_block_diffusion_tensors(weights):
+    """A clean sequence runs the causal model: a token's logits never depend on a later token, and Clover's four
+    tensors change nothing (the comparison with transformers is in test_parity_qwen3_5.py)."""
+    toks = jax.random.randint(jax.random.key(1), (2, 20), 5, 250)
+    out = transformer.forward(weights, CFG, toks).logits
+    later = transformer.forward(weights, CFG, toks.at[:, 12:].set(7)).logits
+    np.testing.assert_array_equal(np.asarray(out[:, :12]), np.asarray(later[:, :12]))
+    attn = weights.linear_layers.attn
+    other = weights.replace(linear_layers=weights.linear_layers.replace(attn=attn.replace(
+        conv_right=attn.conv_right + 1.0, bd_logit_scale=attn.bd_logit_scale * 3, bd_history_c=attn.bd_history_c + 1)))
+    np.testing.assert_allclose(np.asarray(transformer.forward(other, CFG, toks).logits), np.asarray(out), atol=1e-6)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+def test_generation_is_exact_with_the_cache(weights, cache):
+    prompts = [[5, 9, 17, 33, 40], [7, 8, 9]]
+    sc = SamplerConfig(gen_length=24, block_length=8, cache=cache, eos_stop=False, threshold=0.3)
+    got = generate(weights, CFG, prompts, sc, record_logits=True, dispatch="dense")
+    ref = generate(weights, CFG, prompts, sc.replace(cache="none"), record_logits=True, dispatch="dense")
+    np.testing.assert_array_equal(got.raw, ref.raw)
+    np.testing.assert_allclose(got.logits, ref.logits, atol=2e-5)
+
+
+def test_a_committed_block_leaves_the_causal_models_cache(weights):
+    """After the prompt and one committed block, the cache (attention K/V and Gated DeltaNet states) is what the
+    causal model leaves over the same tokens in one clean pass: the commit is Qwen3.5's causal path."""
+    toks = jax.random.randint(jax.random.key(2), (1, 16), 5, 250)
+    valid = jnp.ones(toks.shape, bool)
+    pos = masks.positions(valid)
+    full = transformer.forward(weights, CFG, toks, pos, masks.full_mask(CFG, valid), kv_cache.init_cache(CFG, 1, 16),
+                               0, valid=valid).cache
+    # the sampler's way: the prompt (8) prefilled, then a pass over [block 1 | masked block 2] committing block 1
+    v24 = jnp.ones((1, 24), bool)
+    written = jnp.arange(24)[None] < 8
+    ids = masks.prefix_canvas_ids(masks.positions(v24), 8, 8, 8)
+    c = transformer.forward(weights, CFG, toks[:, :8], pos[:, :8], masks.attention_mask(
+        v24[:, :8], ids[:, :8], written, ids, True), kv_cache.init_cache(CFG, 1, 24), 0, valid=valid[:, :8]).cache
+    window = jnp.concatenate([toks[:, 8:], jnp.full((1, 8), CFG.mask_token_id)], axis=1)
+    ids = masks.prefix_canvas_ids(masks.positions(v24), 16, 8, 8)
+    mask = masks.attention_mask(v24[:, 8:], ids[:, 8:], v24, ids, True)
+    c = transformer.forward(weights, CFG, window, masks.positions(v24)[:, 8:], mask, c, 8, valid=v24[:, 8:],
+                            blocks=ids[:, 8:], commit=8).cache
+    for a, b in zip(jax.tree.leaves(full.linear), jax.tree.leaves(c.linear), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c.moe_k[:, :, :16]), np.asarray(full.moe_k), atol=1e-5)
+
+
+def test_two_stream_training_sees_what_the_sampler_sees(weights):
+    """Noisy block i's logits in block-diffusion training ([noisy | clean], the clean half causal) equal the
+    sampler's whole-canvas pass over [clean prefix | noisy block i] on the same tokens."""
+    bs, p, nb = CFG.block_size, 5, 2
+    clean = jax.random.randint(jax.random.key(3), (2, p + nb * bs), 5, 250)
+    scored = jnp.broadcast_to(jnp.arange(p + nb * bs) >= p, clean.shape)
+    noisy = jnp.where(scored & (jax.random.uniform(jax.random.key(4), clean.shape) < 0.6), CFG.mask_token_id, clean)
+    valid = jnp.ones(clean.shape, bool)
+    blk = masks.training_block_ids(CFG, valid, scored, "prompt")
+    got = losses.denoising_forward(weights, CFG, noisy, clean, valid, dispatch="dense", blocks=blk).logits
+    for i in range(nb):
+        lo, hi = p + i * bs, p + (i + 1) * bs
+        ctx = jnp.concatenate([clean[:, :lo], noisy[:, lo:hi]], axis=1)
+        v = jnp.ones(ctx.shape, bool)
+        ids = masks.prefix_canvas_ids(masks.positions(v), lo, p, bs)
+        ref = transformer.forward(weights, CFG, ctx, masks.positions(v), masks.attention_mask(v, ids, v, ids, True),
+                                  dispatch="dense", valid=v, blocks=ids, commit=lo).logits[:, lo:]
+        np.testing.assert_allclose(np.asarray(got[:, lo:hi]), np.asarray(ref), atol=2e-5, rtol=1e-5)
