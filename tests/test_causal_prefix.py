@@ -124,3 +124,38 @@ def test_two_stream_training_sees_what_the_sampler_sees(weights):
         ref = transformer.forward(weights, CFG, ctx, masks.positions(v), masks.attention_mask(v, ids, v, ids, True),
                                   dispatch="dense", valid=v, blocks=ids, commit=lo).logits[:, lo:]
         np.testing.assert_allclose(np.asarray(got[:, lo:hi]), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+def test_the_server_gives_generates_tokens(weights, cache):
+    """Serving rows (prompt ids causal at admission, a block's ids causal once committed) give `generate`'s
+    tokens, a request that joins while another runs included."""
+    import threading
+
+    from clover_jax.serving.engine import Engine
+    from clover_jax.serving.requests import Request
+
+    eng = Engine(weights, CFG, block_length=8, max_prompt=8, max_tokens=24, batch_sizes=(2,), cache=cache,
+                 dispatch="dense")
+    reqs = [Request((5, 9, 17, 33, 40), 24, SamplerConfig(eos_stop=False)),
+            Request((7, 8, 9), 16, SamplerConfig(eos_stop=False, threshold=0.3)),
+            Request((11, 12), 8, SamplerConfig(eos_stop=False, remasking="margin"))]
+    events: dict[int, list] = {}
+    done = threading.Event()
+
+    def sink(i):
+        def on_event(ev):
+            events.setdefault(i, []).append(ev)
+            if sum(1 for v in events.values() if v[-1].finish_reason) == len(reqs):
+                done.set()
+        return on_event
+
+    for i, r in enumerate(reqs):
+        eng.submit(r, sink(i))
+    eng.start()
+    assert done.wait(600)
+    eng.drain()
+    for i, r in enumerate(reqs):
+        got = [t for ev in events[i] for t in ev.tokens]
+        ref = generate(weights, CFG, [list(r.prompt)], r.row_settings(8).replace(cache="prefix"), dispatch="dense")
+        assert got == ref.raw[0].tolist()[:r.max_tokens], i
