@@ -229,7 +229,8 @@ def test_every_request_field_lands_on_its_setting():
     engine = type("E", (), {"block_length": 16, "cache": "prefix", "max_tokens": 64, "max_prompt": 64,
                             "cfg": get_config("test-clover")})()
     values = {"block_length": 16, "steps_per_block": 3, "remasking": "margin", "threshold": 0.25, "temperature": 0.5,
-              "top_p": 0.75, "top_k": 7, "seed": 12, "cache": "prefix"}
+              "top_p": 0.75, "top_k": 7, "seed": 12, "cache": "prefix", "presence_penalty": 0.5,
+              "frequency_penalty": -0.25, "repetition_penalty": 1.5}
     assert set(values) == set(S.REQUEST_NAMES)
     body: dict = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {}}
     for name, wire in S.REQUEST_NAMES.items():

@@ -190,8 +190,9 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
 
     def commit(st: _State, logits: Array) -> _State:
         key, k_draw, k_score = jax.random.split(st.key, 3)
-        gen, chosen = denoise.commit(logits, st.canvas[:, p:t], st.block * bl, knobs, k_draw, k_score, st.n_sched,
-                                     st.step, cfg)
+        gen = st.canvas[:, p:t]
+        gen, chosen = denoise.commit(logits, gen, st.block * bl, knobs, k_draw, k_score, st.n_sched, st.step, cfg,
+                                     response=(gen, ~is_prompt[:, p:t]))
         cv = jax.lax.dynamic_update_slice_in_dim(st.canvas, gen, p, axis=1)
         rec = st.logits
         if spec.record_logits:

@@ -303,3 +303,28 @@ def select_commits(
     h_rank, n_eb = entropy_bound_count(scores.entropy, masked, entropy_bound)
     commit |= (entropy_bound > 0) & (h_rank < n_eb[:, None])
     return commit & masked
+
+
+def penalize(logits: Array, seen: Array, counted: Array, presence: Array, frequency: Array,
+             repetition: Array) -> Array:
+    """Logits [B, L, V] with the response penalties applied: for each token with count c > 0 among `seen` [B, H]
+    where `counted` [B, H] (the response's committed tokens), a positive logit divided by `repetition` and a
+    negative one multiplied by it (transformers' RepetitionPenaltyLogitsProcessor), then `presence` and
+    `frequency` * c subtracted (OpenAI's presence and frequency penalties). The penalties are scalars or [B]
+    (per row); all off (0, 0, 1) leaves the logits as they are without building the counts."""
+    b, v = logits.shape[0], logits.shape[-1]
+
+    def per_row(a: Array) -> Array:
+        return jnp.reshape(jnp.broadcast_to(a, (b,)), (b, 1, 1)).astype(jnp.float32)
+
+    def apply(x: Array) -> Array:
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], seen.shape)
+        counts = jnp.zeros((b, v), jnp.float32).at[rows, seen].add(counted.astype(jnp.float32))[:, None, :]
+        hit = counts > 0
+        rep = per_row(repetition)
+        x = jnp.where(hit, jnp.where(x > 0, x / rep, x * rep), x)
+        return x - per_row(presence) * hit - per_row(frequency) * counts
+
+    on = jnp.any(presence != 0) | jnp.any(frequency != 0) | jnp.any(repetition != 1)
+    x = logits.astype(jnp.float32)
+    return jax.lax.cond(on, apply, lambda x: x, x)

@@ -106,6 +106,16 @@ class SamplerConfig:
     steps_per_block: int | None = setting(None, "refinement steps per block, at most block_length; instead of "
                                                 "steps (default: block_length, one token a step)", int, optional=True,
                                           minimum=1, knob=np.int32, request="diffusion.steps")
+    presence_penalty: float = setting(0.0, "subtract this from the logit of every token already in the response "
+                                           "(OpenAI's presence penalty; 0: off)", float, minimum=-2.0, maximum=2.0,
+                                      knob=np.float32, request="presence_penalty")
+    frequency_penalty: float = setting(0.0, "subtract this times its count in the response from each token's logit "
+                                            "(OpenAI's frequency penalty; 0: off)", float, minimum=-2.0, maximum=2.0,
+                                       knob=np.float32, request="frequency_penalty")
+    repetition_penalty: float = setting(1.0, "divide the positive logits and multiply the negative ones of the "
+                                             "tokens already in the response by this (transformers' repetition "
+                                             "penalty, over the response only; 1: off)", float, minimum=0.0,
+                                        exclusive=True, maximum=10.0, knob=np.float32, request="repetition_penalty")
 
     @property
     def n_blocks(self) -> int:

@@ -26,7 +26,14 @@ from clover_jax.config import ModelConfig
 from clover_jax.model import cache as kv_cache
 from clover_jax.model import masks
 from clover_jax.model.forward_fn import ForwardFn
-from clover_jax.sampler.scoring import Scores, fill_after_end, sample_and_score, select_commits, transfer_count
+from clover_jax.sampler.scoring import (
+    Scores,
+    fill_after_end,
+    penalize,
+    sample_and_score,
+    select_commits,
+    transfer_count,
+)
 from clover_jax.sampler.settings import Knobs
 
 Array = jax.Array
@@ -119,16 +126,22 @@ def draw_rows(logits: Array, k_draw: Array, k_score: Array, knobs: Knobs, mask_i
 
 
 def commit(logits: Array, region: Array, offset: Array | int, knobs: Knobs, k_draw: Array, k_score: Array,
-           n_sched: Array, step: Array, cfg: ModelConfig, live: Array | None = None) -> tuple[Array, Array]:
+           n_sched: Array, step: Array, cfg: ModelConfig, live: Array | None = None,
+           response: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
     """Commit one step in the block of L = logits.shape[1] columns at `offset` of `region` [B, R] (the generated
     columns; the block and everything after it): draw a token at every position of the block (the mask token is
     never drawn), score them by the remasking strategy, commit the masked positions `scoring.select_commits`
     chooses (this step's share of the block's `n_sched` [B] masks under the linear schedule over
     `knobs.steps_per_block`, plus the threshold's and the entropy bound's), and where a row's end token has nothing
     masked before it, end the row there (`fill_after_end`). `knobs` are scalars (every row alike, keys scalar) or
-    [B] (per row, keys [B]); `live` [B]: rows that may commit this step (None: all). Returns (region, chosen
-    [B, L])."""
+    [B] (per row, keys [B]); `live` [B]: rows that may commit this step (None: all). `response`: (tokens [B, H],
+    which of them are the response's) whose committed tokens the presence / frequency / repetition penalties count
+    (`scoring.penalize`; masks never count). Returns (region, chosen [B, L])."""
     bl, mask_id = logits.shape[1], cfg.mask_token_id
+    if response is not None:
+        seen, counted = response
+        logits = penalize(logits, seen, counted & (seen != mask_id), knobs.presence_penalty, knobs.frequency_penalty,
+                          knobs.repetition_penalty)
     blk = jax.lax.dynamic_slice_in_dim(region, offset, bl, axis=1)
     masked = blk == mask_id
     per_row = jnp.ndim(knobs.temperature) > 0

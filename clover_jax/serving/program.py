@@ -246,12 +246,14 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         keys = jax.vmap(jax.random.split)(jax.vmap(jax.random.fold_in, (0, None))(base_keys, st.step))
         # earlier blocks hold no end token (a row stops at its first), so the block alone decides the stop
         blk, _ = denoise.commit(logits, st.canvas[:, s - bl:], 0, row_knobs, keys[:, 0], keys[:, 1], st.n_sched,
-                                st.step, cfg, live(st))
+                                st.step, cfg, live(st), (st.canvas, response))
         cv = st.canvas.at[:, s - bl:].set(blk)
         return _Loop(cv, kv, st.step + 1, st.passes + calls, st.row_passes + live(st), st.n_sched)
 
     cv0 = state.canvas[:b]
     n_sched = jnp.sum(masked_of(cv0), axis=1)
+    # the response so far: the committed blocks and the current one, the last (block + 1) L columns of a row
+    response = jnp.arange(s)[None] >= s - bl * (blk_idx[:, None] + 1)
     st = _Loop(cv0, kv0, jnp.int32(0), jnp.int32(0), jnp.zeros((b,), jnp.int32), n_sched)
     st = jax.lax.while_loop(lambda st: jnp.any(live(st)), step, st)
 
