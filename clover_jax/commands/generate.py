@@ -56,14 +56,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
     p.add_argument("--show", action="store_true", help="redraw the canvas on stderr as it fills in")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt as is")
+    p.add_argument("--no-think", action="store_true",
+                   help="answer without reasoning first: enable_thinking=false for the chat template (Qwen3.5 / 3.6 "
+                        "templates take it)")
     add_mesh_argument(p)
     p.set_defaults(func=run)
 
 
-def encode(tok: Tokenizer, text: str, chat: bool) -> list[int]:
-    """Token ids of a prompt, through the tokenizer's chat template when `chat` and it has one."""
+def encode(tok: Tokenizer, text: str, chat: bool, think: bool | None = None) -> list[int]:
+    """Token ids of a prompt, through the tokenizer's chat template when `chat` and it has one; `think` False passes
+    enable_thinking=False to the template (Qwen3.5 / 3.6 templates then close an empty reasoning themselves)."""
     if chat:
-        templated = tok.apply_chat_template(text)
+        templated = tok.apply_chat_template(text, **({} if think is None else {"enable_thinking": think}))
         if templated is not None:
             text = templated
     return tok.encode(text)
@@ -173,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     chat = not args.no_chat_template
     done = jobs.finished_ids(args.output) if args.output else set()
     todo = [(rid, text) for rid, text in todo_jobs if rid not in done]
-    encoded = [(rid, text, encode(tok, text, chat)) for rid, text in todo]
+    think = False if args.no_think else None
+    encoded = [(rid, text, encode(tok, text, chat, think)) for rid, text in todo]
     for rid, _, ids in encoded:
         try:
             check_prompts(cfg, sc, [ids], spell, labels=[rid])

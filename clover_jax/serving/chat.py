@@ -183,15 +183,18 @@ def plain_prompt(messages: Sequence[Message | tuple[str, str]], tools: Sequence[
     return head + "".join(_plain_turn(m) for m in messages) + "assistant:"
 
 
-def render_messages(tokenizer: Tokenizer, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> str:
-    """The prompt text of a conversation and its tools (see the module docstring). Raises ChatTemplateError
-    when the checkpoint's template refuses the conversation."""
+def render_messages(tokenizer: Tokenizer, messages: Sequence[Message], tools: Sequence[ToolSpec] = (),
+                    template_vars: dict[str, Any] | None = None) -> str:
+    """The prompt text of a conversation and its tools (see the module docstring); `template_vars`: further
+    variables of the chat template (a request's `chat_template_kwargs`, e.g. `enable_thinking`). Raises
+    ChatTemplateError when the checkpoint's template refuses the conversation."""
     template = getattr(tokenizer, "chat_template", None)
+    extra = dict(template_vars or {})
     if isinstance(template, str) and template:
         return render_chat_template(template, [m.as_template() for m in messages],
-                                    tools=[t.as_openai() for t in tools] or None, add_generation_prompt=True)
+                                    tools=[t.as_openai() for t in tools] or None, add_generation_prompt=True, **extra)
     if not tools and len(messages) == 1 and messages[0].role == "user" and not messages[0].tool_calls:
-        templated = tokenizer.apply_chat_template(messages[0].content)
+        templated = tokenizer.apply_chat_template(messages[0].content, **extra)
         if templated is not None:
             return templated
     return plain_prompt(messages, tools)

@@ -6,7 +6,9 @@ decoded host-side from all of a choice's tokens; stop strings are matched there 
 then told to cancel the row), and a stream holds back the last `len(longest stop) - 1` characters
 (and a trailing U+FFFD that may be half a UTF-8 character) until the next block, so a stop string
 spanning two blocks never leaks. With tools, a choice's text from its first `<tool_call>` on is held
-back, and the calls it ends with become `Choice.calls` (`clover_jax.serving.tool_parse`).
+back, and the calls it ends with become `Choice.calls` (`clover_jax.serving.tool_parse`). A chat choice's
+reasoning (the text before `</think>` of a model that thinks) is released apart from its answer, as
+`Choice.reasoning` (`clover_jax.serving.reasoning`); tool calls are read from the answer only.
 
 Deadline: once a `Run`'s deadline passes, every unfinished choice ends with finish_reason "length"
 (the text generated so far, as when max_tokens runs out) and `Run.timed_out` is set; its engine rows
@@ -22,11 +24,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from clover_jax.serving.guard import Access
 from clover_jax.serving.http_request import Job
 from clover_jax.serving.metrics import Metrics
+from clover_jax.serving.reasoning import split as split_reasoning
 from clover_jax.serving.requests import Event
 from clover_jax.serving.tool_parse import OPEN, ParsedCall, call_end, parse_calls, pending_open
 from clover_jax.serving.tools import ToolPlan
@@ -35,6 +38,13 @@ from clover_jax.tokenizer import Tokenizer
 
 class EngineFailure(Exception):
     """The engine ended a choice with finish_reason "error" (its device program failed)."""
+
+
+class Released(NamedTuple):
+    """What one event released of a choice: answer text and reasoning text (either may be empty)."""
+
+    content: str
+    reasoning: str = ""
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -58,6 +68,8 @@ class Choice:
     queued_s: float = 0.0  # how long it waited for a row (the engine's report)
     seen: int = 0  # characters decoded before the latest event
     calls: tuple[tuple[str, ParsedCall], ...] = ()  # (id, call) of the tool calls it ended with
+    thinking: bool | None = None  # a chat choice (reasoning apart); True: its prompt opened `<think>`
+    reasoning: str = ""  # the reasoning released so far (`text`: the answer)
 
     @property
     def done(self) -> bool:
@@ -65,9 +77,10 @@ class Choice:
         return self.finish_reason is not None
 
     def apply(self, event: Event, decode: Callable[[list[int]], str], stops: Sequence[str],
-              tools: ToolPlan | None = None) -> str:
+              tools: ToolPlan | None = None) -> Released:
         """Take one engine event; returns the text newly released (cut before a stop string; while the
-        choice runs, less the tail a stop string or a UTF-8 character could still span).
+        choice runs, less the tail a stop string or a UTF-8 character could still span), its answer and, for a chat
+        choice of a model that thinks, its reasoning apart.
 
         With `tools` (a plan that parses calls): the choice also ends once its tool calls are complete
         (`tool_parse.call_end`), no text from the first `<tool_call>` on is released while it runs, and at
@@ -93,25 +106,35 @@ class Choice:
         while end > 0 and full[end - 1] == "\ufffd":
             end -= 1
         upto = full[:max(end, 0)]
+        reasoning, answer = self._split(upto, final=False)
         if tools is not None:  # hold back a call (or what may become one), and the whitespace before it
-            upto = upto.split(OPEN, 1)[0]
-            upto = upto[:len(upto) - pending_open(upto)].rstrip()
-        return self._release(upto)
+            answer = answer.split(OPEN, 1)[0]
+            answer = answer[:len(answer) - pending_open(answer)].rstrip()
+        return self._release(reasoning, answer)
 
-    def _end(self, text: str, tools: ToolPlan | None) -> str:
-        """Release the rest of a finished choice: its calls when `tools` finds valid ones, else its text."""
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) of a chat choice's text (`reasoning.split`); ("", text) of a completion's."""
+        if self.thinking is None:
+            return "", text
+        return split_reasoning(text, final, self.thinking)
+
+    def _end(self, text: str, tools: ToolPlan | None) -> Released:
+        """Release the rest of a finished choice: its calls when `tools` finds valid ones in its answer, else its
+        text."""
+        reasoning, answer = self._split(text, final=True)
         if tools is not None and self.finish_reason in ("stop", "length"):
-            parsed = parse_calls(text, tools.allowed())
+            parsed = parse_calls(answer, tools.allowed())
             if parsed.calls:
                 self.calls = tuple((f"call_{uuid.uuid4().hex[:24]}", c) for c in parsed.calls)
                 self.finish_reason = "tool_calls"
-                return self._release(parsed.content)
-        return self._release(text)
+                return self._release(reasoning, parsed.content)
+        return self._release(reasoning, answer)
 
-    def _release(self, upto: str) -> str:
-        delta = upto[len(self.text):]
-        self.text += delta
-        return delta
+    def _release(self, reasoning: str, answer: str) -> Released:
+        out = Released(answer[len(self.text):], reasoning[len(self.reasoning):])
+        self.text += out.content
+        self.reasoning += out.reasoning
+        return out
 
 
 class Run:
@@ -125,7 +148,7 @@ class Run:
                  started: float, deadline: float | None = None, metrics: Metrics | None = None) -> None:
         self.engine, self.tokenizer, self.job, self.loop = engine, tokenizer, job, loop
         self.queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
-        self.choices = [Choice(i) for i in range(len(job.requests))]
+        self.choices = [Choice(i, thinking=job.reasoning) for i in range(len(job.requests))]
         self.started = started
         self.deadline = deadline
         self.metrics = metrics
@@ -178,7 +201,7 @@ class Run:
             raise TimeoutError
         return await asyncio.wait_for(self.queue.get(), left)
 
-    def expire(self) -> list[tuple[Choice, str]]:
+    def expire(self) -> list[tuple[Choice, Released]]:
         """The deadline passed: end every unfinished choice with "length" (releasing all its text so far)
         and cancel its engine row; (choice, released text) of each."""
         self.timed_out = True
@@ -193,7 +216,7 @@ class Run:
             self.metrics.count_timeout()
         return out
 
-    async def deltas(self) -> AsyncIterator[tuple[Choice, str]]:
+    async def deltas(self) -> AsyncIterator[tuple[Choice, Released]]:
         """(choice, newly released text) after every event, until all choices are done (or the deadline
         passed: then one last (choice, text) per choice it ended)."""
         while not self.done:

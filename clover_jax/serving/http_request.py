@@ -26,7 +26,7 @@ import json
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
@@ -36,6 +36,7 @@ from clover_jax.serving.chat import parse_messages, render_messages
 from clover_jax.serving.field_error import FieldError
 from clover_jax.serving.guard import BodyTooLarge
 from clover_jax.serving.http_errors import CLIENT_CLOSED, ApiError
+from clover_jax.serving.reasoning import prompt_opens_thinking
 from clover_jax.serving.requests import BadRequest, Draining, QueueFull, Request, ServingError
 from clover_jax.serving.tools import ToolPlan, parse_tools
 from clover_jax.tokenizer import Tokenizer
@@ -247,10 +248,20 @@ def tool_plan(body: dict[str, Any]) -> ToolPlan | None:
         raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
 
 
+class ChatPrompt(NamedTuple):
+    """A chat request's prompt: its token ids, and whether its text leaves a `<think>` open (the model answers
+    inside its reasoning: `clover_jax.serving.reasoning`)."""
+
+    ids: tuple[int, ...]
+    thinking: bool
+
+
 def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = MAX_MESSAGES,
-                tools: ToolPlan | None = None) -> tuple[int, ...]:
-    """Token ids of a /v1/chat/completions `messages` list and its `tools` (see `clover_jax.serving.chat`);
+                tools: ToolPlan | None = None) -> ChatPrompt:
+    """The prompt of a /v1/chat/completions `messages` list, its `tools` and its `chat_template_kwargs` (further
+    variables of the chat template, vLLM's field: e.g. {"enable_thinking": false}; see `clover_jax.serving.chat`);
     ApiError 400 for more than `max_messages` messages or a conversation the chat template refuses."""
+    template_vars = _field(body, "chat_template_kwargs", "an object", {})
     given = body.get("messages")
     if isinstance(given, list) and len(given) > max_messages:
         raise ApiError(400, f"this server takes at most {max_messages} messages, got {len(given)}",
@@ -260,10 +271,13 @@ def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = 
     except FieldError as e:
         raise ApiError(400, str(e), param=e.param) from None
     try:
-        text = render_messages(tokenizer, messages, tools.tools if tools is not None else ())
+        text = render_messages(tokenizer, messages, tools.tools if tools is not None else (), template_vars)
     except ChatTemplateError as e:
         raise ApiError(400, str(e)[:500], param="messages", code="invalid_value") from None
-    return _encode(tokenizer, text, "messages")
+    except TypeError as e:  # a chat_template_kwargs value the template cannot use
+        raise ApiError(400, f"chat_template_kwargs: {e}"[:500], param="chat_template_kwargs",
+                       code="invalid_value") from None
+    return ChatPrompt(_encode(tokenizer, text, "messages"), prompt_opens_thinking(text))
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -325,6 +339,8 @@ class Job:
     stream: bool
     include_usage: bool
     tools: ToolPlan | None = None  # the chat request's tools, when they are parsed out of its text
+    # chat requests: reasoning apart from the answer (`serving.reasoning`); True: the prompt opened `<think>`
+    reasoning: bool | None = None
 
 
 def request_defaults(stored: dict[str, Any]) -> dict[str, Any]:
@@ -339,12 +355,13 @@ def request_defaults(stored: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: bool,
-              defaults: dict[str, Any] | None = None, max_n: int = MAX_CHOICES, tools: ToolPlan | None = None) -> Job:
+              defaults: dict[str, Any] | None = None, max_n: int = MAX_CHOICES, tools: ToolPlan | None = None,
+              thinking: bool = False) -> Job:
     """The Job of a completions (or, with `chat`, chat completions) body. Fields the body leaves out take
     `defaults` (the model's, `request_defaults`), else the sampler's (greedy decoding) and at most 128 tokens.
     Raises ApiError 400 for a field of the wrong type or n outside [1, max_n], and BadRequest for settings the
     engine would refuse (prompt too long, max_tokens too large, a setting out of range: named as the request
-    names it)."""
+    names it). `thinking`: a chat prompt that opened `<think>` (`ChatPrompt.thinking`)."""
     d = defaults or {}
     default_max = min(d.get("max_tokens", DEFAULT_MAX_TOKENS), engine.max_tokens)
     max_tokens = _field(body, "max_tokens", "an integer", default_max)
@@ -367,6 +384,6 @@ def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: 
                engine.max_tokens, REQUEST_NAMES, given)
     seeds, stops = _seeds(values.get("seed"), n, sampling.temperature), _stops(body)
     return Job(tuple(dataclasses.replace(base, sampling=sampling.replace(seed=s)) for s in seeds), stops, stream,
-               include_usage, tools if tools is not None and tools.parses else None)
+               include_usage, tools if tools is not None and tools.parses else None, thinking if chat else None)
 
 

@@ -61,6 +61,8 @@ def _choice_json(meta: Meta, c: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         if c.calls:
             message = {"role": "assistant", "content": c.text or None, "tool_calls": _tool_calls_json(c)}
+        if c.reasoning:  # vLLM's field for a thinking model's reasoning
+            message["reasoning_content"] = c.reasoning
         return {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
     return {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
 
@@ -127,8 +129,10 @@ async def _stream(run: Run, meta: Meta, metrics: Metrics, log: Callable[[str], N
             for c in run.choices:
                 yield _chunk(meta, c.index, {"role": "assistant"}, None)
         async for c, delta in run.deltas():
-            if delta:
-                yield _chunk(meta, c.index, {"content": delta} if meta.chat else delta, None)
+            if delta.reasoning:
+                yield _chunk(meta, c.index, {"reasoning_content": delta.reasoning}, None)
+            if delta.content:
+                yield _chunk(meta, c.index, {"content": delta.content} if meta.chat else delta.content, None)
             if c.done and c.calls:
                 for call in _tool_calls_json(c, stream=True):
                     yield _chunk(meta, c.index, {"tool_calls": [call]}, None)

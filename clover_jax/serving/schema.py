@@ -91,6 +91,7 @@ def request_schemas(*, model: str, vocab_size: int, max_prompt: int, max_tokens:
                            "tool_choice": {"anyOf": [{"type": "string", "enum": ["auto", "none", "required"]},
                                                      _ref("NamedToolChoice"), {"type": "null"}]},
                            "parallel_tool_calls": _nullable({"type": "boolean"}),
+                           "chat_template_kwargs": _nullable({"type": "object"}),
                            **common},
         },
         "ChatMessage": {
@@ -158,6 +159,7 @@ def response_schemas() -> dict[str, Any]:
                                                       "message": _ref("AssistantMessage")}}}}},
         "AssistantMessage": {"type": "object", "required": ["role", "content"], "properties": {
             "role": {"type": "string"}, "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "reasoning_content": {"type": "string"},
             "tool_calls": {"type": "array", "items": {
                 "type": "object", "required": ["id", "type", "function"],
                 "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},

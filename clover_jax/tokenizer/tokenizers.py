@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import sentencepiece as spm
 
@@ -32,8 +32,9 @@ class Tokenizer(Protocol):
         """The text of `ids`; ids outside the vocabulary are skipped."""
         ...
 
-    def apply_chat_template(self, prompt: str) -> str | None:
-        """`prompt` as one user turn of the chat template, or None when there is no template."""
+    def apply_chat_template(self, prompt: str, **template_vars: Any) -> str | None:
+        """`prompt` as one user turn of the chat template (`template_vars`: further variables of the template, e.g.
+        `enable_thinking`), or None when there is no template."""
         ...
 
 
@@ -53,7 +54,7 @@ class ByteTokenizer:
         data = bytes(i - self.n_special for i in ids if self.n_special <= i < self.n_special + 256)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, prompt: str) -> str | None:
+    def apply_chat_template(self, prompt: str, **template_vars: Any) -> str | None:
         """None: a byte-level vocabulary has no chat template."""
         return None
 
@@ -77,7 +78,7 @@ class SentencePieceTokenizer:
         """The text of `ids`; ids outside the vocabulary are skipped."""
         return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
 
-    def apply_chat_template(self, prompt: str) -> str | None:
+    def apply_chat_template(self, prompt: str, **template_vars: Any) -> str | None:
         """None: a SentencePiece model carries no chat template."""
         return None
 
@@ -109,12 +110,12 @@ class HFTokenizer:
         """The text of `ids`, as the `tokenizers` package decodes them."""
         return self._tok.decode([int(i) for i in ids])
 
-    def apply_chat_template(self, prompt: str) -> str | None:
+    def apply_chat_template(self, prompt: str, **template_vars: Any) -> str | None:
         """`prompt` as one user turn of the checkpoint's jinja chat template (with the generation
-        prompt), or None when the checkpoint has no template."""
+        prompt; `template_vars` such as `enable_thinking` passed to it), or None when the checkpoint has none."""
         if not self.chat_template:
             return None
-        return render_chat_template(self.chat_template, [{"role": "user", "content": prompt}])
+        return render_chat_template(self.chat_template, [{"role": "user", "content": prompt}], **template_vars)
 
 
 def _read_chat_template(directory: str) -> str | None:
