@@ -85,6 +85,10 @@ class ModelConfig:
     # or "none" (ignored: the plain causal Gated DeltaNet, as llama.cpp runs Clover).
     bd_gdn: str = "none"
     bd_conv_right_kernel: int = 0
+    # The block expert coreset (a causal-prefix model's block being denoised): every row of the block is routed,
+    # the block keeps the `moe_block_coreset` experts its rows weight most, and each row's top-k is then taken
+    # among those (docs/model.md). 0: off (every row routes over every expert).
+    moe_block_coreset: int = 0
     # Special tokens.
     mask_token_id: int = -1  # -1: the last id of the vocabulary
     eos_token_id: int | None = 1  # None: the model has no end-of-sequence token (generation never stops early)
@@ -286,6 +290,11 @@ def validate(cfg: ModelConfig) -> None:
              f"layer_types must repeat a group of at most {MAX_LAYER_GROUP} layers (the body of the layer scan); "
              f"got {list(cfg.layer_types)}")
     need(cfg.bd_gdn in BD_GDN_MODES, f"bd_gdn must be one of {BD_GDN_MODES}, got {cfg.bd_gdn!r}")
+    need(cfg.moe_block_coreset == 0 or cfg.n_experts_per_tok <= cfg.moe_block_coreset <= cfg.n_experts,
+         f"moe_block_coreset must be 0 (off) or in [n_experts_per_tok, n_experts] = [{cfg.n_experts_per_tok}, "
+         f"{cfg.n_experts}], got {cfg.moe_block_coreset}")
+    need(cfg.moe_block_coreset == 0 or cfg.causal_prefix,
+         "moe_block_coreset needs bd_gdn='causal_prefix' (it restricts the routing of the block being denoised)")
     need(cfg.bd_conv_right_kernel >= 0, f"bd_conv_right_kernel must be >= 0, got {cfg.bd_conv_right_kernel}")
     need(cfg.bd_conv_right_kernel == 0 or cfg.is_hybrid,
          "bd_conv_right_kernel > 0 needs Gated DeltaNet layers (layer_types with linear_attention)")

@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
                    help="plan the config with weight-only int8 / fp8 matmul weights (default: the config's own)")
     p.add_argument("--no-compile", action="store_true", help="TPU layouts: arithmetic only, skip the AOT compile")
+    p.add_argument("--coreset", type=int, default=None, metavar="M",
+                   help="the block expert coreset: a block being denoised routes among M experts (0: off; default: "
+                        "the config's moe_block_coreset); changes the roofline's expert reads")
     whole = p.add_argument_group(
         "whole programs", "compile what runs instead of two single passes: the sampler's whole generate loop, or "
                           "the serving engine's block and prefill programs")
@@ -71,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = cfg.replace(dtype=args.dtype)
     if args.quantize:
         cfg = cfg.replace(quantization=args.quantize)
+    if args.coreset is not None:
+        try:
+            cfg = cfg.replace(moe_block_coreset=args.coreset)
+        except ValueError as e:
+            raise PlanError(f"--coreset: {e}") from None
     layout = load_layout(args.mesh)
     if args.generate or args.serve:
         return run_program_plan(args, cfg, layout)

@@ -27,6 +27,7 @@ from clover_jax.mesh.rules import MeshRules, constrain
 from clover_jax.model import gated_deltanet, layers, masks, quant
 from clover_jax.model.cache import KVCache
 from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
+from clover_jax.model.moe.routing import Coreset
 from clover_jax.model.params import LayerWeights, Weights
 
 Array = jax.Array
@@ -43,7 +44,7 @@ class ForwardOut(NamedTuple):
 def _layer(
     x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array, Array] | None,
     cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, mesh: MeshRules | None,
-    layer: Array | None = None,
+    layer: Array | None = None, coreset: Coreset | None = None,
 ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
     """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None."""
     h = layers.norm(x, w.attn_norm, cfg)
@@ -62,7 +63,7 @@ def _layer(
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
     if is_moe:
-        y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
+        y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh, coreset)
     else:
         y, st = layers.swiglu(h, w.mlp), None
     return constrain(x + y, ("batch", "seq", "embed"), mesh), kv, st
@@ -109,16 +110,36 @@ class Windows(NamedTuple):
     two_stream: bool
 
 
+def block_coreset(win: Windows, shape: tuple[int, int]) -> Coreset | None:
+    """The rows of the window [B, T] that are blocks being denoised, for the MoE's block expert coreset: the
+    columns after the first `commit` (the noisy stream's, in two-stream training), grouped by block id; None when
+    the window has none (a clean pass)."""
+    b, t = shape
+    col = jnp.arange(t)[None]
+    valid = jnp.ones(shape, bool) if win.valid is None else jnp.asarray(win.valid, bool)
+    if win.two_stream:
+        noisy = valid & (col < t // 2)
+    elif win.commit is None:
+        return None
+    else:
+        noisy = valid & (col >= win.commit)
+    ids = jnp.broadcast_to(win.blocks, shape)
+    new = (col == 0) | (ids != jnp.pad(ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1))
+    start = jax.lax.cummax(jnp.where(new, col, 0), axis=1)  # the first column of each column's block
+    segment = (jnp.arange(b)[:, None] * t + start).reshape(-1)
+    return Coreset(noisy.reshape(-1), segment.astype(jnp.int32))
+
+
 def _linear_layer(x: Array, w: LayerWeights, win: Windows, state: gated_deltanet.MixerState | None,
                   cfg: ModelConfig, dispatch: str | None, mesh: MeshRules | None, layer: Array | None = None,
-                  ) -> tuple[Array, gated_deltanet.MixerState, MoEStats]:
+                  coreset: Coreset | None = None) -> tuple[Array, gated_deltanet.MixerState, MoEStats]:
     """One Gated DeltaNet layer with its MoE, from `state` (None: the start of the sequence); returns the
     state after the window. layer: as in `_layer` (expert weights still stacked, `layer` picks this one's)."""
     h = layers.norm(x, w.attn_norm, cfg)
     y, state = gated_deltanet.mixer(h, w.attn, cfg, win.valid, state, win.blocks, win.commit, win.two_stream)
     x = constrain(x + y, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
-    y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh)
+    y, st = moe_block(h, w.mlp, cfg, dispatch, layer, mesh, coreset)
     return constrain(x + y, ("batch", "seq", "embed"), mesh), state, st
 
 
@@ -149,6 +170,7 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: 
     # stacked (not sliced per layer by the scan, a copy on CPU) and a layer index.
     stacked = not remat and takes_layer_stack(dispatch or cfg.moe_dispatch)
     experts = {LINEAR_ATTENTION: weights.linear_layers.mlp, FULL_ATTENTION: weights.moe_layers.mlp}
+    coreset = block_coreset(win, x.shape[:2]) if cfg.moe_block_coreset else None
 
     def per_group(stack: LayerWeights, n: int) -> LayerWeights:
         if stacked:
@@ -164,12 +186,12 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: 
             layer = index
         if kind == LINEAR_ATTENTION:
             state = None if c is None else jax.tree.map(lambda a: a[index], c.linear)
-            x, state, st = _linear_layer(x, w, win, state, cfg, dispatch, mesh, layer)
+            x, state, st = _linear_layer(x, w, win, state, cfg, dispatch, mesh, layer, coreset)
             if c is not None:
                 c = c.replace(linear=jax.tree.map(lambda a, s: a.at[index].set(s.astype(a.dtype)), c.linear, state))
             return x, c, st
         kv = None if c is None else (c.moe_k, c.moe_v, index)
-        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer)
+        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer, coreset)
         if c is not None:
             c = c.replace(moe_k=kv[0], moe_v=kv[1])
         return x, c, st

@@ -105,12 +105,16 @@ def weight_bytes_by_kind(cfg: ModelConfig, shardings: Any, mesh_shape: dict[str,
     return out
 
 
-def weights_touched_per_chip(cfg: ModelConfig, by_kind: dict[str, int], tokens: int) -> float:
+def weights_touched_per_chip(cfg: ModelConfig, by_kind: dict[str, int], tokens: int, block_rows: int = 0,
+                             blocks: int = 0) -> float:
     """Expected weight bytes a pass over `tokens` tokens (all rows) reads on one chip: everything in
     `other`, each local expert with the probability that some token routes to it (`experts_touched`,
-    uniform routing), and `tokens` rows of the input embedding (at most the whole local table)."""
+    uniform routing; with `cfg.moe_block_coreset`, `block_rows` of the tokens are `blocks` blocks being denoised,
+    each within its coreset), and `tokens` rows of the input embedding (at most the whole local table)."""
     emb_rows = min(1.0, tokens / cfg.vocab_size)
-    return float(by_kind["other"] + by_kind["experts"] * experts_touched(cfg, tokens) + by_kind["embedding"] * emb_rows)
+    coreset = bool(cfg.moe_block_coreset)
+    reach = experts_touched(cfg, tokens - block_rows if coreset else tokens, blocks if coreset else 0)
+    return float(by_kind["other"] + by_kind["experts"] * reach + by_kind["embedding"] * emb_rows)
 
 
 def cache_bytes_per_chip(cfg: ModelConfig, layout: Layout, rows: int, columns: int) -> int:
@@ -173,11 +177,14 @@ def analytic_bytes_per_chip(cfg: ModelConfig, p: PassShape, weights_per_chip: in
     return float(weights_per_chip + kv + logits)
 
 
-def experts_touched(cfg: ModelConfig, tokens: int) -> float:
-    """Expected fraction of experts a pass of `tokens` routes to (uniform top-k routing)."""
+def experts_touched(cfg: ModelConfig, tokens: int, coreset_blocks: int = 0) -> float:
+    """Expected fraction of experts a pass of `tokens` routes to (uniform top-k routing). `coreset_blocks`: that
+    many blocks of them are being denoised with the block expert coreset (`cfg.moe_block_coreset` experts each,
+    a block of a few dozen rows reaching all of its coreset); the other tokens route freely."""
     if not cfg.n_experts:
         return 0.0
-    return 1.0 - (1.0 - cfg.n_experts_per_tok / cfg.n_experts) ** tokens
+    e, k, m = cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_block_coreset
+    return 1.0 - (1.0 - k / e) ** tokens * (1.0 - m / e) ** (coreset_blocks if m else 0)
 
 
 def shards(layout: Layout, *logical: str) -> int:

@@ -69,6 +69,7 @@ class PassCost:
     weight_bytes: float  # weight bytes read per chip (experts as far as the tokens reach them)
     cache_bytes: float  # cache bytes read per chip
     logits_bytes: float  # float32 logits written per chip
+    experts_frac: float = 0.0  # expected fraction of the experts the pass routes to
 
     @property
     def bytes(self) -> float:
@@ -202,10 +203,16 @@ def _weights(cfg: ModelConfig, layout: Layout, mesh: MeshRules) -> tuple[int, in
 
 def _pass(cfg: ModelConfig, layout: Layout, by_kind: dict[str, int], name: str, rows: int, window: int,
           kv_len: int, logits_len: int, cache_read: float) -> PassCost:
+    """One pass's cost. A pass that denoises (not the prefill) of a causal-prefix model previews one block per row:
+    its rows route within the block expert coreset when the config has one."""
     shape = PassShape(name, rows, window, kv_len, logits_len, cache_read > 0)
     logits = rows * logits_len * cfg.vocab_size * 4 / shards(layout, "batch", "vocab")
+    preview = cfg.causal_prefix and name != "prefill"
+    block_rows, blocks = (rows * logits_len, rows) if preview else (0, 0)
+    free = rows * window - block_rows if cfg.moe_block_coreset else rows * window
     return PassCost(name, rows, window, kv_len, analytic_flops_per_chip(cfg, shape, layout),
-                    weights_touched_per_chip(cfg, by_kind, rows * window), cache_read, logits)
+                    weights_touched_per_chip(cfg, by_kind, rows * window, block_rows, blocks), cache_read, logits,
+                    experts_touched(cfg, free, blocks))
 
 
 def _check_request(layout: Layout, batch: int | None, prompt_len: int, gen_len: int, block: int | None) -> int:
@@ -369,7 +376,7 @@ def _memory_line(c: Compiled, chip: Chip) -> str:
 def _pass_line(label: str, pc: PassCost, chip: Chip, cfg: ModelConfig) -> str:
     t, bound = pc.bound(chip)
     tc, tm = pc.seconds(chip)
-    reach = (f" ({100 * experts_touched(cfg, pc.rows * pc.window):.0f}% of experts reached)"
+    reach = (f" ({100 * pc.experts_frac:.0f}% of experts reached)"
              if cfg.n_experts else "")
     return (f"  {label} ({pc.rows} row{'s' if pc.rows > 1 else ''} x {pc.window} tokens against {pc.kv_len} "
             f"columns): weights {gb(pc.weight_bytes)}{reach} + cache {gb(pc.cache_bytes)} + logits "

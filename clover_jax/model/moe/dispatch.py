@@ -29,7 +29,7 @@ from clover_jax.model import quant
 from clover_jax.model.layers import swiglu
 from clover_jax.model.moe import expert_parallel
 from clover_jax.model.moe.grouped_swiglu import grouped_swiglu
-from clover_jax.model.moe.routing import MoEStats, Routing, route, stats
+from clover_jax.model.moe.routing import Coreset, MoEStats, Routing, route, stats
 from clover_jax.model.moe.sorting import combine_sorted, sort_by_expert
 from clover_jax.model.params import MoEWeights
 
@@ -112,19 +112,21 @@ def choose_dispatch(mesh: MeshRules | None) -> str:
 
 
 def moe_block(x: Array, w: MoEWeights, cfg: ModelConfig, dispatch: str | None = None,
-              layer: Array | None = None, mesh: MeshRules | None = None) -> tuple[Array, MoEStats]:
+              layer: Array | None = None, mesh: MeshRules | None = None,
+              coreset: Coreset | None = None) -> tuple[Array, MoEStats]:
     """x [B, T, D] -> [B, T, D]: routed experts plus the shared expert (scaled by sigmoid(x @ shared_gate)
     when the weights have that gate, as Qwen3.5 has it; else added as is).
 
     With `layer`, w.gate/up/down are still stacked over layers ([L, E, ...]) and `layer` picks one:
     strategies in LAYER_STACK slice single experts from the stack, the others get the layer.
-    `mesh` is where the expert-parallel strategies run (None: one device).
+    `mesh` is where the expert-parallel strategies run (None: one device). `coreset`: the rows [B * T] that
+    form blocks being denoised, for the block expert coreset (`routing.route`).
     """
     name = dispatch or cfg.moe_dispatch
     fn = get_dispatch(name)
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
-    r = route(flat, w, cfg)
+    r = route(flat, w, cfg, coreset)
     if layer is not None and name not in LAYER_STACK:
         w = w.replace(gate=quant.index(w.gate, layer), up=quant.index(w.up, layer), down=quant.index(w.down, layer))
         layer = None

@@ -32,9 +32,33 @@ class MoEStats(NamedTuple):
     dropped: Array  # [] token copies dropped by capacity-limited strategies (0 when dropless)
 
 
-def route(x: Array, w: MoEWeights, cfg: ModelConfig) -> Routing:
-    """Top-k routing for tokens x [N, D]."""
+class Coreset(NamedTuple):
+    """Which token rows form which block of a block expert coreset (`route`): rows with the same `segment` and
+    `member` True are one block (they share its coreset); other rows route over every expert."""
+
+    member: Array  # [N] bool: the row belongs to a block being denoised
+    segment: Array  # [N] int32 in [0, N): its block
+
+
+def coreset_mask(probs: Array, coreset: Coreset, size: int) -> Array:
+    """[N, E] bool: the experts each row may route to. A block's coreset is the `size` experts with the largest
+    router probability summed over its rows (the first phase: every row routed); rows outside a block may route
+    anywhere."""
+    n = probs.shape[0]
+    total = jax.ops.segment_sum(jnp.where(coreset.member[:, None], probs, 0.0), coreset.segment, num_segments=n)
+    _, top = jax.lax.top_k(total, size)  # [N segments, size]
+    keep = jnp.zeros(total.shape, bool).at[jnp.arange(n)[:, None], top].set(True)[coreset.segment]
+    return keep | ~coreset.member[:, None]
+
+
+def route(x: Array, w: MoEWeights, cfg: ModelConfig, coreset: Coreset | None = None) -> Routing:
+    """Top-k routing for tokens x [N, D]. With `coreset` (and `cfg.moe_block_coreset` > 0) the rows of a block
+    being denoised take their top-k among their block's coreset experts only (`coreset_mask`; the second phase),
+    their weights renormalised over it as the router's rule does over all experts."""
     logits = x.astype(jnp.float32) @ w.router.astype(jnp.float32)
+    if coreset is not None and cfg.moe_block_coreset:
+        first = jax.nn.softmax(logits, axis=-1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
+        logits = jnp.where(coreset_mask(first, coreset, cfg.moe_block_coreset), logits, -jnp.inf)
     k = cfg.n_experts_per_tok
     if cfg.router == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
