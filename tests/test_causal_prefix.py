@@ -159,3 +159,18 @@ def test_the_server_gives_generates_tokens(weights, cache):
         got = [t for ev in events[i] for t in ev.tokens]
         ref = generate(weights, CFG, [list(r.prompt)], r.row_settings(8).replace(cache="prefix"), dispatch="dense")
         assert got == ref.raw[0].tolist()[:r.max_tokens], i
+
+
+def test_self_speculative_refuses_what_it_cannot_do(weights):
+    from clover_jax.errors import SamplerError
+
+    sc = SamplerConfig(gen_length=16, block_length=8, self_speculative=True)
+    with pytest.raises(SamplerError, match="self_speculative decodes greedily"):
+        generate(weights, CFG, [[5, 6]], sc.replace(temperature=0.5))
+    with pytest.raises(SamplerError, match="no causal model to check the drafts"):
+        generate(None, get_config("test-clover-hybrid"), [[5, 6]], sc)
+    with pytest.raises(SamplerError, match="needs the prefix cache"):
+        generate(weights, CFG, [[5, 6]], sc.replace(cache="none"))
+    two = generate(weights, CFG, [[5, 9, 17], [7, 8]], sc.replace(eos_stop=False), dispatch="dense")
+    one = generate(weights, CFG, [[7, 8]], sc.replace(eos_stop=False), dispatch="dense")
+    assert two.raw[1].tolist() == one.raw[0].tolist() and two.stats.rows == 2  # prompts one after another

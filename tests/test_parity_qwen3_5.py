@@ -202,3 +202,21 @@ def test_clover_likelihood_is_transformers_exact_log_likelihood(models):
         ids = np.asarray([prompt + greedy])
         greedy.append(int(_hf_logits(model, ids, np.ones(ids.shape, bool))[0, -1].argmax()))
     assert exact(cw, clover, prompt, greedy, dispatch="dense").greedy and not got.greedy
+
+
+def test_self_speculative_is_transformers_greedy_generate(models):
+    """Self-speculative decoding (the block diffusion drafts, the causal model accepts) writes exactly what
+    transformers' greedy `generate` of the Qwen3.5 model writes on the same weights, a left-padded prompt
+    bucket included."""
+    from clover_jax.sampler import SamplerConfig, generate
+
+    model, cfg, weights, _ = models
+    clover, cw = _as_clover(cfg, weights)
+    prompt = [5, 17, 99, 3, 42, 8, 11]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                              pad_token_id=0).numpy()[0, len(prompt):]
+    sc = SamplerConfig(gen_length=24, block_length=8, eos_stop=False, self_speculative=True, threshold=0.5)
+    got = generate(cw, clover, [prompt], sc, dispatch="dense")
+    np.testing.assert_array_equal(got.raw[0, :20], want)
+    assert got.stats.tokens == 24 and got.stats.nfe > 0

@@ -299,6 +299,21 @@ class Prepared:
         return (weights, *jax.tree.map(aval, rest))
 
 
+def _check_speculative(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]], progress: bool,
+                       record_logits: bool, batch: int | None) -> None:
+    """SamplerError for what self-speculative decoding cannot do (`speculative`: a causal-prefix model, one
+    sequence a program, the prefix cache, the prompt grid; no progress callback or recorded logits)."""
+    why = ("the model is not run with a causal prefix (bd_gdn='causal_prefix'): it has no causal model to check "
+           "the drafts" if not cfg.causal_prefix else
+           "it runs one sequence a program" if len(prompts) != 1 or (batch or 1) != 1 else
+           "it needs the prefix cache" if resolve_cache(cfg, sc.cache) != "prefix" else
+           "it lays blocks right after the prompt (block_grid prompt)"
+           if resolve_rule(cfg, "block_grid", sc.block_grid) != "prompt" else
+           "it has no progress callback or recorded logits" if progress or record_logits else None)
+    if why:
+        raise SamplerError(f"self_speculative: {why}", setting="self_speculative", param="self_speculative")
+
+
 def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfig, *,
             forward_fn: ForwardFn | None = None, progress: bool = False, record_logits: bool = False,
             batch: int | None = None, prompt_len: int | None = None, dispatch: str | None = None,
@@ -308,6 +323,8 @@ def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfi
     traced or compiled. The arguments mean what they mean for `generate` (`progress`: whether a
     progress callback is compiled in)."""
     validate(cfg, sc, prompts)
+    if sc.self_speculative:
+        _check_speculative(cfg, sc, prompts, progress, record_logits, batch)
     if forward_fn is None:
         if dispatch is None and mesh is not None:  # on a mesh: the expert-parallel strategy for it
             dispatch = choose_dispatch(mesh)
@@ -322,7 +339,7 @@ def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfi
     g = inputs.start.shape[1]
     spec = ProgramSpec(cfg, inputs.prompt.shape[0], inputs.prompt.shape[1], g, sc.block_length, cache,
                        guidance=sc.cfg_scale > 0, progress=progress, record_logits=record_logits,
-                       mesh=mesh, block_grid=grid)
+                       mesh=mesh, block_grid=grid, self_speculative=sc.self_speculative)
     return Prepared(spec, forward_fn, inputs, knobs(sc, cfg))
 
 
@@ -350,6 +367,15 @@ def generate(
     mesh: run sharded on this mesh (weights already in `model.weight_shardings` of it); None: one device.
     on_compile(message): called before a program is compiled (not when this process already has it).
     """
+    if sc.self_speculative and len(prompts) > 1:  # one sequence a program: the prompts one after another
+        parts = [generate(weights, cfg, [pr], sc, forward_fn=forward_fn, progress=progress,
+                          record_logits=record_logits, prompt_len=prompt_len, dispatch=dispatch, mesh=mesh,
+                          on_compile=on_compile) for pr in prompts]
+        st = [r.stats for r in parts]
+        stats = SamplerStats(sum(s.nfe for s in st), sum(s.steps for s in st), sum(s.tokens for s in st), len(st),
+                             sum(s.wall_s for s in st), sum(s.compile_s for s in st), any(s.compile_cached for s in st))
+        return GenerateResult([r.tokens[0] for r in parts], [r.finished[0] for r in parts],
+                              np.concatenate([r.raw for r in parts]), stats)
     prep = prepare(cfg, prompts, sc, forward_fn=forward_fn, progress=progress is not None,
                    record_logits=record_logits, batch=batch, prompt_len=prompt_len, dispatch=dispatch, mesh=mesh)
     spec, forward_fn, inputs, knobs = prep.spec, prep.forward_fn, prep.inputs, prep.knobs

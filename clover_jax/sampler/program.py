@@ -52,6 +52,7 @@ from clover_jax.model.forward_fn import ForwardFn
 from clover_jax.sampler import step as denoise
 from clover_jax.sampler.scoring import guide
 from clover_jax.sampler.settings import Knobs
+from clover_jax.sampler.speculative import run_speculative
 
 Array = jax.Array
 
@@ -71,6 +72,7 @@ class ProgramSpec:
     record_logits: bool = False  # keep the logits each token was committed from (tests, debugging)
     mesh: MeshRules | None = None  # where the program runs (None: one device)
     block_grid: str = "prompt"  # absolute: every block holds L canvas columns from position 0 (see `generate`)
+    self_speculative: bool = False  # the block diffusion drafts, the causal model accepts (`speculative`)
 
     @property
     def n_blocks(self) -> int:
@@ -141,6 +143,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     """The whole denoising loop. prompt [B, P] left-padded int32, prompt_len [B] its valid columns (0 = a
     filler row), start [B, G] the generated columns' first tokens: the mask token, after the prompt's
     tail on an absolute block grid (a filler row: any other token, so that it is done from the start)."""
+    if spec.self_speculative:
+        return ProgramOut(*run_speculative(spec, forward_fn, weights, prompt, prompt_len, start, knobs), None)
     cfg = spec.model
     b, p, g, bl = spec.batch, spec.prompt_len, spec.gen_columns, spec.block_length
     t = p + g

@@ -116,6 +116,10 @@ class SamplerConfig:
                                              "tokens already in the response by this (transformers' repetition "
                                              "penalty, over the response only; 1: off)", float, minimum=0.0,
                                         exclusive=True, maximum=10.0, knob=np.float32, request="repetition_penalty")
+    self_speculative: bool = setting(False, "let the block diffusion draft and the causal model accept: exactly the "
+                                            "causal model's greedy text, in fewer passes when the drafts agree "
+                                            "(Clover as its ports run it; temperature 0, one sequence a program)",
+                                     bool, compiled=True)
 
     @property
     def n_blocks(self) -> int:
@@ -294,6 +298,11 @@ def check_settings(sc: SamplerConfig, spell: Mapping[str, str] | None = None) ->
     if sc.steps is not None and sc.steps < sc.n_blocks:
         raise SamplerError(f"{steps} ({sc.steps}) must be at least the number of blocks ({gen} / {bl} = "
                            f"{sc.n_blocks})", setting="steps", param=steps)
+    if sc.self_speculative and (sc.temperature > 0 or sc.cfg_scale > 0):
+        spec = name("self_speculative")
+        raise SamplerError(f"{spec} decodes greedily: it takes temperature 0 and no guidance (got temperature "
+                           f"{sc.temperature}, {name('cfg_scale')} {sc.cfg_scale})", setting="self_speculative",
+                           param=spec)
 
 
 # ---- what `auto` means --------------------------------------------------------------------------------------
@@ -343,9 +352,12 @@ def add_flags(parser: Any) -> None:
     """One flag per setting (default None: "not given"; a choice lists its values), `--no-eos-stop` for the setting
     that defaults to on."""
     for s in SETTINGS.values():
-        if s.kind is bool:
+        if s.kind is bool and s.default:
             parser.add_argument(f"--no-{s.name.replace('_', '-')}", dest=s.name, action="store_const", const=False,
                                 default=None, help=f"do not {s.help}")
+            continue
+        if s.kind is bool:
+            parser.add_argument(s.flag, dest=s.name, action="store_const", const=True, default=None, help=s.help)
             continue
         shown = [", ".join(s.choices)] if s.choices else []  # checked by `check_settings`: one line, not usage
         shown += [] if s.default is None else [f"default {s.default}"]
