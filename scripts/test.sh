@@ -19,4 +19,6 @@ ruff check .
 # One pytest worker per core (pytest-xdist): most tests are single-threaded XLA compiles, so two
 # workers on the 2-core CI machine take ~7.5 min instead of ~10.5. `--dist loadgroup` keeps the tests of
 # one `xdist_group` (a module whose fixture compiles for a minute) on one worker. Extra arguments go to pytest.
-python -m pytest -q -ra -n auto --dist loadgroup --durations=10 "$@"
+# --timeout: a test that hangs (waiting on a thread, a socket, a subprocess) fails by name after 15 minutes, with
+# every thread's stack printed, and the rest of the run goes on (the signal method leaves the worker alive).
+python -m pytest -q -ra -n auto --dist loadgroup --durations=10 --timeout=900 "$@"
