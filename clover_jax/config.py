@@ -103,10 +103,11 @@ class ModelConfig:
     moe_dispatch: str = "tiled"
 
     def __post_init__(self) -> None:
-        if self.mask_token_id == -1:
-            object.__setattr__(self, "mask_token_id", self.vocab_size - 1)
         if isinstance(self.layer_types, list):  # from JSON: keep the config hashable
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        check_field_types(self)
+        if self.mask_token_id == -1:
+            object.__setattr__(self, "mask_token_id", self.vocab_size - 1)
         validate(self)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -216,6 +217,43 @@ class ModelConfig:
     def to_json(self) -> str:
         """`to_dict` as indented JSON with sorted keys."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _kind_of(annotation: str) -> tuple[str, bool]:
+    """(kind, None allowed) of a ModelConfig field's annotation: an `_KINDS` key, or "names" for a tuple of strings."""
+    optional = annotation.endswith("| None")
+    base = annotation.removesuffix("| None").strip()
+    if base.startswith("tuple["):
+        return "names", optional
+    return (base if base in _KINDS else "str"), optional  # Family, RouterKind, ...: strings of a fixed set
+
+
+def _has_kind(value: Any, kind: str) -> bool:
+    if kind == "names":
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False  # JSON's true is no size
+    return isinstance(value, int) if kind == "int" else isinstance(value, (int, float)) if kind == "float" else \
+        isinstance(value, str)
+
+
+def check_field_types(cfg: ModelConfig) -> None:
+    """ConfigError naming the first field whose value is not of its declared type (a config.json written by hand,
+    or damaged): an integer for sizes and ids, a number for floats, true/false for flags, a string for names."""
+    for f in dataclasses.fields(cfg):
+        kind, optional = _kind_of(str(f.type))
+        value = getattr(cfg, f.name)
+        if value is None and optional:
+            continue
+        if not _has_kind(value, kind):
+            what = "a list of strings" if kind == "names" else _KINDS[kind]
+            raise ConfigError(f"config {cfg.name!r}: {f.name} must be {what}{' or null' if optional else ''}, "
+                              f"got {value!r}")
 
 
 def validate(cfg: ModelConfig) -> None:

@@ -47,6 +47,10 @@ class DataError(CloverError):
     """Training data that cannot be read or does not fit the requested shapes."""
 
 
+class TokenizerError(CloverError):
+    """A checkpoint's tokenizer or chat template file that cannot be read (named in the message)."""
+
+
 class TokenizerTrainError(CloverError):
     """A tokenizer training request that cannot run."""
 

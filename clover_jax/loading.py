@@ -84,13 +84,11 @@ def _open(model: str, mesh_name: str | None, say: Callable[[str], None]) -> Open
             _RANDOM_WEIGHTS.clear()
             _RANDOM_WEIGHTS[key] = params.init(cfg, jax.random.key(0), shardings)
         return OpenModel(cfg, _RANDOM_WEIGHTS[key], ByteTokenizer(), mesh)
+    tok = load_tokenizer(model)  # a damaged tokenizer or chat template is one line before the weights are read
+    if isinstance(tok, ByteTokenizer):
+        say(f"warning: {model} has no tokenizer (tokenizer.json or tokenizer.model): using the byte tokenizer (ids "
+            "are raw UTF-8 bytes, which only suits a model trained on them; copy the model's tokenizer files beside "
+            "its config.json)")
     say(f"loading {model} ...")
     cfg, weights = load_model(model, shardings)
-    try:
-        tok = load_tokenizer(model)
-    except (OSError, RuntimeError) as e:  # sentencepiece raises RuntimeError/OSError on a bad file
-        raise UsageError(f"cannot read the tokenizer in {model}: {' '.join(str(e).split())}") from None
-    if isinstance(tok, ByteTokenizer):
-        say(f"warning: {model} has no tokenizer.model: using the byte tokenizer (ids are raw UTF-8 bytes, which only "
-            "suits a model trained on them)")
     return OpenModel(cfg, weights, tok, mesh)

@@ -171,7 +171,7 @@ def test_bad_generation_config_and_corrupt_tokenizer(native, tmp_path, capsys):
     (model / "generation_config.json").unlink()
     (model / "tokenizer.model").write_bytes(b"not a sentencepiece model")
     assert main(["generate", "x", "--model", str(model)]) == 2
-    one_line_error(capsys, "cannot read the tokenizer in")
+    one_line_error(capsys, "tokenizer.model: not a SentencePiece model")
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys):
@@ -190,7 +190,7 @@ def test_warnings_no_tokenizer_steps_and_stored_settings(native, tmp_path, capsy
     assert main(["generate", "x", "--model", str(model), "--gen-length", "32", "--block-length", "16",
                  "--steps", "33"]) == 0
     err = capsys.readouterr().err
-    assert "has no tokenizer.model: using the byte tokenizer" in err
+    assert "has no tokenizer (tokenizer.json or tokenizer.model): using the byte tokenizer" in err
     assert "--steps 33 over 2 blocks of 16 runs at most 32 steps" in err
     assert "generation_config.json: temperature=0.5 (flags override them)" in err  # top_k is the default: unsaid
     assert "compiling the sampler for" in err

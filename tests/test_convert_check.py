@@ -182,3 +182,71 @@ def test_cli_prints_the_report_and_exits_with_its_code(tmp_path, capsys):
     assert "usage: clover convert" in err and "required: DST" in err and "--check takes SRC alone" in err
     assert main(["convert", "--check", _small(tmp_path, "good")]) == 0
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("OK")
+
+
+# ---- damaged metadata: one line naming the file and field, at conversion time --------------------------------
+
+PUBLISHED = os.path.join(os.path.dirname(__file__), "fixtures", "published", "clover_moe_vl_tiny")
+
+
+def _edit_config(src: str, edit) -> None:
+    path = os.path.join(src, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    edit(hf)
+    with open(path, "w") as f:
+        json.dump(hf, f)
+
+
+def _write(src: str, name: str, text: str) -> None:
+    with open(os.path.join(src, name), "w") as f:
+        f.write(text)
+
+
+def _rope_theta(hf: dict, value) -> None:
+    hf["text_config"].setdefault("rope_parameters", {})["rope_theta"] = value
+
+
+DAMAGED_METADATA = {
+    "vocab_size a string": (lambda s: _edit_config(s, lambda hf: hf["text_config"].update(vocab_size="lots")),
+                            r"config\.json: text_config: vocab_size: expected an integer, got 'lots'"),
+    "rope_theta a string": (lambda s: _edit_config(s, lambda hf: _rope_theta(hf, "big")),
+                            r"config\.json: text_config: rope_parameters: rope_theta: expected a number, got 'big'"),
+    "negative layer count": (lambda s: _edit_config(s, lambda hf: hf["text_config"].update(num_hidden_layers=-4)),
+                             r"text_config: num_hidden_layers: expected an integer >= 1, got -4"),
+    "tie_word_embeddings a string": (lambda s: _edit_config(s, lambda hf: hf.update(tie_word_embeddings="no")),
+                                     r"config\.json: tie_word_embeddings: expected true or false, got 'no'"),
+    "eos a float": (lambda s: _edit_config(s, lambda hf: hf["text_config"].update(eos_token_id=1.5)),
+                    r"text_config: eos_token_id: expected a token id or a list of them, got 1\.5"),
+    "corrupt tokenizer.json": (lambda s: _write(s, "tokenizer.json", '{"version": "1.0", "model": {'),
+                               r"tokenizer\.json: not a tokenizer\.json the tokenizers package can read"),
+    "chat template that does not parse": (lambda s: _write(s, "chat_template.jinja", "{% for m in messages %}{{ m"),
+                                          r"chat_template\.jinja: the chat template does not parse \(line 1: "),
+    "chat template of the wrong type": (
+        lambda s: _write(s, "tokenizer_config.json", '{"chat_template": 42}'),
+        r"tokenizer_config\.json: chat_template: expected a string \(one jinja template\), got int"),
+    "tokenizer_config.json not JSON": (lambda s: _write(s, "tokenizer_config.json", "{oops"),
+                                       r"tokenizer_config\.json: not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_METADATA))
+def test_damaged_metadata_is_one_line_naming_file_and_field(tmp_path, capsys, damage):
+    """A download whose config.json, tokenizer or chat template is damaged: `convert --check` fails naming the file
+    and field, and `clover convert` refuses it in one line with exit code 2 before writing DST."""
+    edit, named = DAMAGED_METADATA[damage]
+    src = _small(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a real tokenizer, so the good case reads one
+        with open(os.path.join(PUBLISHED, name)) as f:
+            _write(src, name, f.read())
+    assert check(src).exit_code == 0
+    edit(src)
+    r = check(src)
+    assert r.exit_code == 2 and re.search(named, r.error), r.render()
+    capsys.readouterr()
+    dst = tmp_path / "dst"
+    assert main(["convert", src, str(dst), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("clover convert: error: ") and "Traceback" not in err, err
+    assert re.search(named, err), err
+    assert not dst.exists()

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -410,3 +413,36 @@ def test_clover_converts_with_its_block_diffusion_tensors(clover_native: Path, q
 
 def test_clover_export_gives_back_the_source_files(clover_export: Path):
     _assert_same_files(clover_export, FIXTURES / CLOVER)
+
+
+# ---- the base install --------------------------------------------------------------------------------------
+
+# A sitecustomize that makes torch and transformers impossible to import: the base install, which has neither.
+_NO_TORCH = '''import sys
+
+
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r} (refused: the base install)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Absent())
+'''
+
+
+def test_a_converted_download_generates_on_the_base_install(clover_native: Path, tmp_path: Path):
+    """`clover generate` on a converted published checkpoint with torch and transformers refused: its
+    tokenizer.json and jinja chat template are read by base dependencies, and text comes out with exit 0."""
+    assert (clover_native / "tokenizer.json").is_file() and (clover_native / "chat_template.jinja").is_file()
+    (tmp_path / "sitecustomize.py").write_text(_NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "refused" in probe.stderr  # the refusal itself works
+    run = subprocess.run([sys.executable, "-m", "clover_jax", "generate", "--model", str(clover_native),
+                          "--gen-length", "32", "--steps", "4", "Hello"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert run.stdout.strip()  # the decoded text of the generated ids

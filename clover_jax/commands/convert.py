@@ -5,9 +5,12 @@ a quantized native checkpoint (from HF or from a native float one), `--dequantiz
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shlex
+import sys
 
-from clover_jax.convert import FAMILIES, convert
+from clover_jax.convert import FAMILIES, convert, is_native
 from clover_jax.convert.check import check
 from clover_jax.model.quant import QTYPES
 
@@ -101,4 +104,17 @@ def run(args: argparse.Namespace) -> int:
                   quantize=args.quantize, dequantize=args.dequantize, text_only=args.text_only,
                   resume=not args.restart)
     print(out)
+    print(next_step(out), file=sys.stderr)
     return 0
+
+
+def next_step(out: str) -> str:
+    """One line for after a conversion: what the result at `out` carries for generation and the command that runs
+    it (a native checkpoint), or how transformers loads it (an export). stdout keeps the bare path for scripts."""
+    if not is_native(out):
+        return f"clover convert: a HuggingFace checkpoint: AutoModelForCausalLM.from_pretrained({out!r}) loads it"
+    has = [n for n in ("tokenizer.json", "tokenizer.model", "chat_template.jinja")
+           if os.path.isfile(os.path.join(out, n))]
+    carries = f"it carries {', '.join(has)}" if has else \
+        "it carries no tokenizer: generation reads bytes (copy the model's tokenizer.json beside config.json)"
+    return f"clover convert: {carries}; run it: clover generate --model {shlex.quote(out)} \"Hello\""

@@ -27,8 +27,9 @@ from clover_jax.config import ModelConfig
 from clover_jax.convert import hf_io, pipeline, published, survey
 from clover_jax.convert.quantize import check_scheme
 from clover_jax.convert.tensor_check import Differences
-from clover_jax.errors import CloverError, ConversionError
+from clover_jax.errors import CloverError, ConversionError, TokenizerError
 from clover_jax.model.params import count_params
+from clover_jax.tokenizer import load_tokenizer
 
 SHOWN = 3  # items of each kind of difference the report names before "... and N more"
 
@@ -178,6 +179,10 @@ def _check(src: str, family: str | None, mask_token_id: int | None, scheme: str 
     hf = survey.read_hf_config(src)
     mod = survey.family_of(hf, family)
     facts.update(family=mod.NAME, form="multimodal" if "text_config" in hf else "text-only")
+    try:
+        load_tokenizer(src)  # what generation reads of the tokenizer files and the chat template
+    except TokenizerError as e:
+        facts.setdefault("error", str(e))
     refused = survey.quantized_source(hf, src)
     if refused:
         facts["error"] = refused

@@ -25,6 +25,65 @@ COMMON_FIELDS = {
     "pad_token_id": "pad_token_id",
 }
 
+# The kinds of the config.json fields the families read (HF names): a damaged value is refused by name before any
+# arithmetic meets it. Fields not listed are checked where a family reads them (or refused as not understood).
+_INT_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
+    "shared_expert_intermediate_size", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
+    "decoder_sparse_step", "mask_token_id", "block_size", "block_length", "n_group", "topk_group",
+    "first_k_dense_replace", "num_shared_experts", "moe_block_coreset",
+})
+_POSITIVE_FIELDS = frozenset({"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                              "max_position_embeddings", "block_size", "block_length"})
+_FLOAT_FIELDS = frozenset({"rope_theta", "rms_norm_eps", "partial_rotary_factor", "attention_dropout",
+                           "router_aux_loss_coef", "initializer_range", "routed_scaling_factor"})
+_BOOL_FIELDS = frozenset({"tie_word_embeddings", "norm_topk_prob", "attention_bias", "attn_output_gate", "use_cache",
+                          "use_qk_norm"})
+_TOKEN_FIELDS = frozenset({"eos_token_id", "pad_token_id", "bos_token_id"})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _field_problem(key: str, value: Any) -> str | None:
+    """Why `value` cannot be config.json's `key` (None: it can, or the field is not one of the typed ones)."""
+    if value is None:
+        return None  # absent and null are each family's to default or refuse (`need`)
+    if key in _INT_FIELDS:
+        if not _is_int(value):
+            return f"expected an integer, got {value!r}"
+        low = 1 if key in _POSITIVE_FIELDS else 0
+        return None if value >= low else f"expected an integer >= {low}, got {value}"
+    if key in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"expected a number, got {value!r}"
+        return None if value >= 0 else f"expected a number >= 0, got {value}"
+    if key in _BOOL_FIELDS and not isinstance(value, bool):
+        return f"expected true or false, got {value!r}"
+    if key in _TOKEN_FIELDS and not (_is_int(value) or (isinstance(value, list) and all(map(_is_int, value)))):
+        return f"expected a token id or a list of them, got {value!r}"
+    if key == "layer_types" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return f"expected a list of layer kinds, got {value!r}"
+    if key in ("rope_parameters", "rope_scaling") and not isinstance(value, dict):
+        return f"expected a JSON object, got {value!r}"
+    return None
+
+
+def check_field_types(hf: dict[str, Any], where: str = "config.json") -> None:
+    """ConversionError naming the file and field (`where`.field) of the first typed field of `hf` whose value is of
+    the wrong type or out of range; the nested rope_parameters / rope_scaling objects included."""
+    for key, value in hf.items():
+        problem = _field_problem(key, value)
+        if problem:
+            raise ConversionError(f"{where}: {key}: {problem}")
+    for nested in ("rope_parameters", "rope_scaling"):
+        if isinstance(hf.get(nested), dict):
+            check_field_types(hf[nested], f"{where}: {nested}")
+
+
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 

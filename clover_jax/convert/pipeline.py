@@ -46,7 +46,7 @@ from clover_jax.convert.quantize import DequantizedReader, check_scheme, quantiz
 from clover_jax.convert.survey import FAMILIES
 from clover_jax.errors import ConversionError
 from clover_jax.model import quant
-from clover_jax.tokenizer import TOKENIZER_FILES
+from clover_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
 LAYOUT_FILE = "hf_layout.json"  # native side: the source's config.json text and safetensors headers
@@ -222,6 +222,7 @@ def hf_to_native(src: str, dst: str, family: str | None = None, mask_token_id: i
     if refused:
         raise ConversionError(refused)
     survey.family_of(hf, family)  # an unknown family before the files are opened
+    load_tokenizer(src)  # a tokenizer or chat template generation could not read, before anything is written
     source = hf_io.open_source(src, allow_pickle)
     try:
         sv = survey.survey(src, hf, source.tensors, family, mask_token_id, scheme)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clover_jax.config import FULL_ATTENTION, ModelConfig
-from clover_jax.convert import qwen3_5_moe
+from clover_jax.convert import common, qwen3_5_moe
 from clover_jax.errors import ConversionError
 
 TEXT, VISION, MTP = "text", "vision", "mtp"
@@ -66,12 +66,15 @@ def read(hf: Mapping[str, Any]) -> Published:
     """The config.json dict `hf` as `Published`: a wrapper's `text_config` (with the wrapper's
     tie_word_embeddings, which is the one transformers' multimodal model follows, and the block size or mask
     token a Clover wrapper may keep at its top level), or `hf` itself.
-    ConversionError when `text_config` is not a JSON object."""
+    ConversionError when `text_config` is not a JSON object, or for a field of the wrong type or out of range
+    (`common.check_field_types`, naming the field)."""
+    common.check_field_types(dict(hf))
     if "text_config" not in hf:
         return Published(dict(hf))
     text = hf["text_config"]
     if not isinstance(text, dict):
         raise ConversionError(f"config.json's text_config is a {type(text).__name__}, not a JSON object")
+    common.check_field_types(text, "config.json: text_config")
     text = dict(text)
     for key in _TEXT_FROM_WRAPPER:
         if key in hf and (key == "tie_word_embeddings" or key not in text):

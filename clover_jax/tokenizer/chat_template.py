@@ -27,17 +27,35 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _environment() -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # a base dependency, imported when a template is read
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    return env
+
+
+def template_syntax_error(template: str) -> str | None:
+    """Why `template` does not parse as a jinja chat template (its line and jinja's message), or None when it
+    does. Parsing reads no conversation, so a template that parses may still refuse one when rendered."""
+    import jinja2
+
+    try:
+        _environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message}"
+    return None
+
+
 def render_chat_template(template: str, messages: Sequence[dict[str, Any]], *,
                          tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                          **extra: Any) -> str:
     """The prompt text of `messages` (and `tools`, OpenAI function objects, passed as None when empty) under
     `template`; `extra` are further template variables (e.g. `enable_thinking`). Raises ChatTemplateError."""
-    import jinja2  # optional dependency: only checkpoints with a chat template need it
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
+    env = _environment()
     try:
         return env.from_string(template).render(messages=list(messages), tools=list(tools) if tools else None,
                                                 add_generation_prompt=add_generation_prompt, **extra)

@@ -1,6 +1,6 @@
-"""Tokenizers behind one small interface: SentencePiece (the shipped models), HuggingFace
-`tokenizer.json` (converted checkpoints; needs the `tokenizers` package) and a byte-level fallback
-for randomly initialised models, which have no trained vocabulary.
+"""Tokenizers behind one small interface: SentencePiece (the shipped models), HuggingFace `tokenizer.json`
+(converted checkpoints; read with the `tokenizers` package, a base dependency) and a byte-level fallback for
+randomly initialised models, which have no trained vocabulary.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import sentencepiece as spm
 
-from clover_jax.tokenizer.chat_template import render_chat_template
+from clover_jax.errors import TokenizerError
+from clover_jax.tokenizer.chat_template import render_chat_template, template_syntax_error
 
 # Files a checkpoint directory may carry; conversion copies whichever exist.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -67,7 +68,10 @@ class SentencePieceTokenizer:
     _sp: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=self.path)
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"{self.path}: not a SentencePiece model ({_first_line(e)})") from e
         self.vocab_size = self._sp.get_piece_size()
 
     def encode(self, text: str) -> list[int]:
@@ -93,12 +97,14 @@ class HFTokenizer:
     chat_template: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        try:  # optional dependency (the `torch` extra): imported only when a tokenizer.json is read
-            from tokenizers import Tokenizer as _Tok
-        except ImportError as e:
-            raise ImportError("reading tokenizer.json needs the `tokenizers` package: "
-                              "pip install 'clover-jax[torch]'") from e
-        self._tok = _Tok.from_file(os.path.join(self.directory, "tokenizer.json"))
+        from tokenizers import Tokenizer as _Tok  # a base dependency, imported only when a tokenizer.json is read
+
+        path = os.path.join(self.directory, "tokenizer.json")
+        try:
+            self._tok = _Tok.from_file(path)
+        except Exception as e:  # the tokenizers package raises a bare Exception for a file it cannot read
+            raise TokenizerError(f"{path}: not a tokenizer.json the tokenizers package can read "
+                                 f"({_first_line(e)})") from e
         self.vocab_size = self._tok.get_vocab_size()
         self.chat_template = _read_chat_template(self.directory)
 
@@ -118,21 +124,52 @@ class HFTokenizer:
         return render_chat_template(self.chat_template, [{"role": "user", "content": prompt}], **template_vars)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _read_chat_template(directory: str) -> str | None:
+    """The checkpoint's chat template (chat_template.jinja, else tokenizer_config.json's "chat_template"), checked
+    to parse; None when there is none. TokenizerError naming the file and field for one that cannot be read."""
     jinja = os.path.join(directory, "chat_template.jinja")
     if os.path.exists(jinja):
-        with open(jinja) as f:
-            return f.read()
-    cfg = os.path.join(directory, "tokenizer_config.json")
-    if os.path.exists(cfg):
-        with open(cfg) as f:
-            tpl = json.load(f).get("chat_template")
-        return tpl if isinstance(tpl, str) else None
-    return None
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                tpl, where = f.read(), jinja
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{jinja}: cannot be read as UTF-8 text ({_first_line(e)})") from e
+    else:
+        cfg = os.path.join(directory, "tokenizer_config.json")
+        if not os.path.exists(cfg):
+            return None
+        try:
+            with open(cfg, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TokenizerError(f"{cfg}: not valid JSON ({_first_line(e)})") from e
+        if not isinstance(data, dict):
+            raise TokenizerError(f"{cfg}: expected a JSON object, got {type(data).__name__}")
+        tpl, where = data.get("chat_template"), f"{cfg}: chat_template"
+        if tpl is None:
+            return None
+        if isinstance(tpl, list):  # named templates ({"name", "template"}): transformers renders "default"
+            named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+            tpl = named.get("default")
+            if tpl is None:
+                return None
+        if not isinstance(tpl, str):
+            raise TokenizerError(f"{where}: expected a string (one jinja template), got {type(tpl).__name__}")
+    problem = template_syntax_error(tpl)
+    if problem:
+        raise TokenizerError(f"{where}: the chat template does not parse ({problem})")
+    return tpl
 
 
 def load_tokenizer(directory: str | None) -> Tokenizer:
-    """The tokenizer stored in a checkpoint directory; byte-level when there is none."""
+    """The tokenizer stored in a checkpoint directory; byte-level when there is none. TokenizerError, naming the
+    file, for a tokenizer or chat template that cannot be read (conversion calls this to refuse a damaged
+    download before writing anything)."""
     if directory:
         if os.path.exists(os.path.join(directory, "tokenizer.model")):
             return SentencePieceTokenizer(os.path.join(directory, "tokenizer.model"))
