@@ -12,7 +12,9 @@ of its start-up warnings, on a host without a TPU chip); `--verbose` says which 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 import traceback
 
@@ -25,10 +27,39 @@ from clover_jax.version import __version__
 COMMANDS = (convert, eval_command, generate, info, plan, serve, tokenizer, train)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (`clover generate: error: ...`, exit code 2) with the
+    closest spelling of a mistyped command, flag or choice, instead of the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {_with_suggestion(message)} (see {self.prog} --help)\n")
+
+    def unknown_flags(self, extras: list[str]) -> None:
+        """Refuse the arguments `parse_known_args` left over, suggesting the closest flag of this parser."""
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for arg in extras:
+            if arg.startswith("-"):
+                name = arg.split("=", 1)[0]
+                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                self.exit(2, f"{self.prog}: error: unknown flag {name}{hint} (see {self.prog} --help)\n")
+        self.error(f"unexpected arguments: {' '.join(extras)}")
+
+
+def _with_suggestion(message: str) -> str:
+    """argparse's "invalid choice: 'x' (choose from ...)" with the closest choice named."""
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m:
+        choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+        close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.75)
+        if close:
+            return f"{message}; did you mean {close[0]!r}?"
+    return message
+
+
+def build_parser() -> Parser:
     """The `clover` parser with every subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="clover", description="Clover-JAX: masked-diffusion MoE language models in JAX.")
+    parser = Parser(prog="clover", description="Clover-JAX: masked-diffusion MoE language models in JAX.")
     parser.add_argument("--version", action="version", version=f"clover-jax {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error too (or set CLOVER_DEBUG=1)")
@@ -45,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run `clover ARGV`; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _subparser(parser, getattr(args, "command", None))
+        (sub or parser).unknown_flags(extras)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -64,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"clover {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _subparser(parser: Parser, command: str | None) -> Parser | None:
+    """The parser of `clover COMMAND`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
 
 
 def _one_line(e: BaseException) -> str:

@@ -205,7 +205,8 @@ def test_a_stored_setting_out_of_range_is_named_by_its_file(tmp_path, capsys):
     (model / "generation_config.json").write_text(json.dumps({"threshold": 2}))
     assert cli.main(["generate", "x", "--model", str(model)]) == 2
     err = capsys.readouterr().err
-    assert "error: threshold (from " in err and "generation_config.json) must be a number in (0, 1]" in err
+    assert "error: --threshold must be a number in (0, 1] (or 0 = off), got 2; --threshold comes from " in err
+    assert "generation_config.json when not given (a flag overrides it)" in err
 
 
 def test_request_defaults_the_server_would_refuse_stop_it_at_start():

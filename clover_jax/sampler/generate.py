@@ -131,15 +131,15 @@ def check_block_length(cfg: ModelConfig, block_length: int, spelt: str = "block_
 def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]],
                   spell: Mapping[str, str] | None = None, labels: Sequence[Any] | None = None) -> None:
     """A model the sampler can run, token ids inside the vocabulary and prompt + generation within the
-    model's length. `labels`: what to call each prompt in a message (default its index); `spell` as for
-    `validate`."""
+    model's length. `labels`: what to call each prompt in a message, as written (default "prompt INDEX");
+    `spell` as for `validate`."""
     need = _need
     name = (lambda n: (spell or {}).get(n, n))
     check_model(cfg)
     check_block_length(cfg, sc.block_length, name("block_length"))
     need(len(prompts) > 0, "no prompts given")
     for i, pr in enumerate(prompts):
-        label = f"prompt {labels[i]!r}" if labels is not None else f"prompt {i}"
+        label = str(labels[i]) if labels is not None else f"prompt {i}"
         need(len(pr) > 0, f"{label} is empty")
         arr = np.asarray(pr)
         need(np.issubdtype(arr.dtype, np.integer), f"{label} must hold integer token ids")
@@ -149,9 +149,10 @@ def check_prompts(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequenc
         total = len(pr) + sc.gen_length
         if resolve_rule(cfg, "block_grid", sc.block_grid) == "absolute":  # the last block is generated whole
             total = -(-total // sc.block_length) * sc.block_length
-        need(total <= cfg.max_seq_len,
-             f"{label} has {len(pr)} tokens; with {name('gen_length')} {sc.gen_length} that is "
-             f"{total} > the model's max_seq_len {cfg.max_seq_len}")
+        if total > cfg.max_seq_len:
+            raise SamplerError(f"{label} has {len(pr)} tokens; with {name('gen_length')} {sc.gen_length} that is "
+                               f"{total} > the model's max_seq_len {cfg.max_seq_len}", setting="gen_length",
+                               param=name("gen_length"))
 
 
 # ---- batching --------------------------------------------------------------------------------

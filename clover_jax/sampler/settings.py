@@ -26,6 +26,7 @@ generator's rule.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -225,7 +226,10 @@ class Setting:
     def check(self, value: Any, spelt: str | None = None, maximum: float | None = None) -> None:
         """SamplerError "<spelt> must be <rule>, got <value>" unless `value` satisfies the rule."""
         if not self.accepts(value, maximum):
-            raise SamplerError(f"{spelt or self.name} must be {self.rule(maximum)}, got {value!r}",
+            close = difflib.get_close_matches(value, self.choices, n=1, cutoff=0.75) \
+                if self.choices and isinstance(value, str) else []
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SamplerError(f"{spelt or self.name} must be {self.rule(maximum)}, got {value!r}{hint}",
                                setting=self.name, param=spelt or self.name)
 
     def parse(self, text: Any) -> Any:
