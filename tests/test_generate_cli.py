@@ -11,8 +11,10 @@ import pytest
 from clover_jax import cli, loading
 from clover_jax.commands import generate as gen_cmd
 from clover_jax.commands import jobs
+from clover_jax.config import get_config
 from clover_jax.errors import UsageError
 from clover_jax.sampler import settings as sampler_settings
+from clover_jax.tokenizer import ByteTokenizer
 
 FLAGS = ["--model", "test-clover", "--gen-length", "16", "--block-length", "8"]
 
@@ -31,6 +33,39 @@ def test_one_prompt_with_show(capsys):
     # the default cache for a block-causal model is the exact prefix cache: 4 steps + the prompt prefill
     assert "5 forward passes, 3.20 tokens/pass" in err and "tokens/s" in err and "compile" in err
     assert out.endswith("\n")
+
+
+class _Terminal:
+    """A stream that says it is a terminal and keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> None:
+        self.writes.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_show_redraws_in_place_on_a_terminal(monkeypatch):
+    """On a terminal each frame goes back up over the previous one (as many rows as it took, wrapped lines counted)
+    and erases only from there down: the screen is never cleared, so the command line above stays."""
+    monkeypatch.setattr(gen_cmd.shutil, "get_terminal_size", lambda: os.terminal_size((20, 24)))
+    cfg = get_config("test-clover")
+    tok, term = ByteTokenizer(), _Terminal()
+    show = gen_cmd.make_show(tok, cfg, "Hi: ", term)
+    canvas = [[cfg.mask_token_id] * 8]
+    show(canvas, 0, 1)
+    show([tok.encode("a" * 30)], 0, 2)  # "Hi: " + 30 characters: two rows of 20
+    show([tok.encode("b")], 1, 3)
+    assert not any("\x1b[2J" in w or "\x1b[H" in w for w in term.writes)  # no clear screen, no cursor home
+    assert term.writes[0].startswith("\x1b[J[block 0, pass 1]\n")  # the first frame: nothing to go back over
+    assert term.writes[1].startswith("\x1b[2F\x1b[J[block 0, pass 2]\n")  # over the 2 rows of the first frame
+    assert term.writes[2].startswith("\x1b[3F\x1b[J[block 1, pass 3]\n")  # the second took 1 + 2 rows
 
 
 def test_a_run_says_nothing_but_its_own_lines():
@@ -100,9 +135,17 @@ def test_batch_job_resumes_after_a_kill(tmp_path, monkeypatch, capsys):
     assert cli.main([*args, "--output", str(out)]) == 0
     err = capsys.readouterr().err
     assert "torn last line" in err and "2 rows already" in err
+    # off a terminal: one progress line per batch (no bar drawn twice), counted over what this run does
+    assert [ln.split(" prompts done")[0] for ln in err.splitlines() if "prompts done" in ln] == \
+        ["clover generate: 2/3", "clover generate: 3/3"]
+    assert "prompt/s" not in err and "it/s" not in err
     rows = _rows(out)
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(5)]  # nothing lost, nothing twice
     assert all(r["text"] == ref[r["id"]]["text"] for r in rows)
+    # again, with nothing left to do: no progress at all
+    assert cli.main([*args, "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "5 rows already" in err and "0 to go" in err and "prompts done" not in err and "generate:   0%" not in err
     # a finished job run again does nothing
     assert cli.main([*args, "--output", str(out)]) == 0
     assert len(_rows(out)) == 5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +91,9 @@ def test_warm_up_lists_every_program(shipped_engine):
     assert [line.split(":")[0] for line in lines] == [
         "block program for 1 row x 96 columns (prefix cache)", "block program for 4 rows x 96 columns (prefix cache)",
         "prefill program for prompts up to 32 tokens", "prefill program for prompts up to 64 tokens"]
+    # each says how far the start-up is: i of the 5 programs (the row move program is the silent fifth)
+    assert [re.search(r"\[(\d)/5 programs", line).group(1) for line in lines] == ["1", "2", "3", "4"]
+    assert all("s left]" in line for line in lines)
 
 
 def test_mixed_requests_equal_each_run_alone(shipped_engine):

@@ -12,10 +12,15 @@ and none is written twice.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
+import shutil
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TextIO
+
+from tqdm import tqdm
 
 from clover_jax import loading
 from clover_jax.commands import jobs
@@ -90,23 +95,36 @@ def render(tok: Tokenizer, ids: Any, mask_id: int) -> str:
     return "".join(out)
 
 
-def make_show(tok: Tokenizer, cfg: ModelConfig, prefix: str) -> Any:
-    """A progress callback that redraws the canvas on stderr (in place on a terminal)."""
-    tty = sys.stderr.isatty()
+def make_show(tok: Tokenizer, cfg: ModelConfig, prefix: str, stream: TextIO | None = None) -> Any:
+    """A progress callback that draws the canvas on `stream` (default stderr): on a terminal the frame is redrawn
+    in place (the cursor goes back up over the last frame, which is erased; the screen and the command line above
+    stay), elsewhere one line a pass."""
+    out = stream or sys.stderr
+    tty = out.isatty()
+    drawn = 0  # terminal rows the last frame took
 
     def show(tokens: Any, block: int, nfe: int) -> None:
+        nonlocal drawn
         text = render(tok, tokens[0], cfg.mask_token_id)
         if tty:
-            sys.stderr.write(f"\x1b[2J\x1b[H[block {block}, pass {nfe}]\n{prefix}{text}\n")
+            frame = f"[block {block}, pass {nfe}]\n{prefix}{text}\n"
+            out.write((f"\x1b[{drawn}F" if drawn else "") + "\x1b[J" + frame)
+            drawn = _rows(frame, shutil.get_terminal_size().columns)
         else:
-            sys.stderr.write(f"[block {block}, pass {nfe}] {text!r}\n")
-        sys.stderr.flush()
+            out.write(f"[block {block}, pass {nfe}] {text!r}\n")
+        out.flush()
 
     return show
 
 
+def _rows(frame: str, columns: int) -> int:
+    """Terminal rows `frame` (ending in a newline) takes at `columns` per row, long lines wrapped."""
+    return sum(max(1, -(-len(line) // max(columns, 1))) for line in frame.split("\n")[:-1])
+
+
 def _note(message: str) -> None:
-    print(f"clover generate: {message}", file=sys.stderr, flush=True)
+    """A line on stderr, above a batch job's progress bar when one is drawn."""
+    tqdm.write(f"clover generate: {message}", file=sys.stderr)
 
 
 def check_output(output: str, input_path: str | None) -> None:
@@ -139,6 +157,18 @@ def warn_steps(sc: SamplerConfig) -> None:
               f"runs at most {runs} steps ({min(per_block, sc.block_length)} per block)", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _say_where(spell: Mapping[str, str], from_file: set[str], stored_file: str) -> Iterator[None]:
+    """A SamplerError about a setting no flag gave (its value is the checkpoint's) ends by saying so."""
+    try:
+        yield
+    except SamplerError as e:
+        if e.setting in from_file:
+            raise SamplerError(f"{e}; {spell[e.setting]} comes from {stored_file} when not given (a flag overrides "
+                               "it)", setting=e.setting, param=e.param) from e
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     """Check every flag and prompt, load the model, then generate (one prompt, or a --input job)."""
     if (args.prompt is None) == (args.input is None):
@@ -153,10 +183,13 @@ def run(args: argparse.Namespace) -> int:
     stored = loading.sampler_defaults(model)
     sc = sampler_settings.from_flags(args, stored)
     stored_file = os.path.join(model, "generation_config.json")
-    # a setting is named as it was given: a flag, or the key of the checkpoint's generation_config.json
-    spell = {k: f"{k} (from {stored_file})" if k in stored and getattr(args, k) is None else flag
-             for k, flag in sampler_settings.FLAGS.items()}
-    check_settings(sc, spell)  # the settings, before reading or loading anything
+    # a setting is named by the flag that sets it; a message about one whose value came from the checkpoint's
+    # generation_config.json says so
+    spell = sampler_settings.FLAGS
+    from_file = {k for k in stored if getattr(args, k) is None}
+    checked = functools.partial(_say_where, spell, from_file, stored_file)
+    with checked():
+        check_settings(sc, spell)  # the settings, before reading or loading anything
     defaults = sampler_settings.SETTINGS
     from_model = {k: v for k, v in stored.items() if getattr(args, k) is None and v != defaults[k].default}
     if from_model:
@@ -180,10 +213,8 @@ def run(args: argparse.Namespace) -> int:
     think = False if args.no_think else None
     encoded = [(rid, text, encode(tok, text, chat, think)) for rid, text in todo]
     for rid, _, ids in encoded:
-        try:
-            check_prompts(cfg, sc, [ids], spell, labels=[rid])
-        except SamplerError as e:
-            raise UsageError(str(e)) from e
+        with checked():
+            check_prompts(cfg, sc, [ids], spell, labels=[f"prompt {rid!r}" if args.input else "the prompt"])
     if args.input and done:
         print(f"clover generate: {len(done)} rows already in {args.output}, {len(todo)} to go", file=sys.stderr)
     if args.input:

@@ -78,9 +78,17 @@ def append_rows(path: str, rows: list[dict]) -> None:
 def run_batches(jobs: Sequence[Any], batch_size: int, output: str,
                 run_batch: Callable[[Sequence[Any]], list[dict]]) -> None:
     """Run `jobs` `batch_size` at a time through `run_batch` (jobs -> result rows), appending each
-    batch's rows to `output` before the next starts; a progress bar on stderr."""
-    with tqdm(total=len(jobs), desc="generate", unit="prompt", file=sys.stderr) as bar:
+    batch's rows to `output` before the next starts. Progress on stderr: one bar on a terminal (other lines go
+    above it through `tqdm.write`), else one line per batch; nothing when there is nothing to do."""
+    if not jobs:
+        return
+    tty = sys.stderr.isatty()
+    with tqdm(total=len(jobs), desc="generate", unit="prompt", file=sys.stderr, disable=not tty) as bar:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start:start + batch_size]
             append_rows(output, run_batch(chunk))
             bar.update(len(chunk))
+            if not tty:
+                done = min(start + batch_size, len(jobs))
+                print(f"clover generate: {done}/{len(jobs)} prompts done, written to {output}", file=sys.stderr,
+                      flush=True)

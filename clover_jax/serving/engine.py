@@ -198,24 +198,28 @@ class Engine:
         return "row move program"
 
     def warm_up(self, log: Callable[[str], None] | None = None) -> None:
-        """Compile every program of `programs` (idempotent); `log` gets one line per block and prefill program
-        with its compile time."""
+        """Compile every program of `programs` (idempotent); `log` gets one line per block and prefill program:
+        "DESCRIPTION: SECONDS s [i/n]" with, before the last, an estimate of the time left (the mean so far)."""
         if self._move is not None:
             return
         say = log or (lambda _msg: None)
         state = self._empty_state()
-        for key, (fn, args) in self.programs(self.weights, state).items():
+        programs = self.programs(self.weights, state)
+        start, n = time.perf_counter(), len(programs)
+        for i, (key, (fn, args)) in enumerate(programs.items(), 1):
             t0 = time.perf_counter()
             exe = fn.lower(*args).compile()
-            kind, n = key
+            kind, rows = key
             if kind == "block":
-                self._advance[n] = exe
+                self._advance[rows] = exe
             elif kind == "prefill":
-                self._admit[n] = exe
+                self._admit[rows] = exe
             else:
                 self._move = exe
             if kind == "block" or (self.cache == "prefix" and kind == "prefill"):
-                say(f"{self.describe(key)}: {time.perf_counter() - t0:.1f} s")
+                now = time.perf_counter()
+                left = f", about {(now - start) / i * (n - i):.0f} s left" if i < n else ""
+                say(f"{self.describe(key)}: {now - t0:.1f} s [{i}/{n} programs{left}]")
         self._state = state
 
     def _empty_state(self) -> program.SlotState:
