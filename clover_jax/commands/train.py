@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--lb-coef", type=float, default=0.01, help="MoE load-balancing loss weight")
     p.add_argument("--z-coef", type=float, default=1e-3, help="router z-loss weight")
+    p.add_argument("--causal-coef", type=float, default=0.0,
+                   help="weight of the clean half's next-token loss (causal-prefix models: trains the causal path "
+                        "that commits blocks, scores likelihoods and checks self-speculative drafts); 0: off")
     p.add_argument("--noise-range", type=float, nargs=2, default=(1e-3, 1.0), metavar=("LO", "HI"),
                    help="noise levels t ~ U(LO, HI); e.g. 0.3 0.8 clips the schedule (BD3-LM) for lower variance")
     p.add_argument("--seed", type=int, default=0)
@@ -85,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     """Check every flag, the data and the mesh, then train (resuming from --out) and export."""
     # Everything that can be wrong with the input is checked here, before JAX compiles anything.
     cfg = load_config(args.config)
+    if args.causal_coef > 0 and not cfg.causal_prefix:
+        raise UsageError(f"--causal-coef {args.causal_coef}: --config {args.config} runs no causal path "
+                         f"(bd_gdn={cfg.bd_gdn!r}); the next-token loss needs bd_gdn='causal_prefix'")
     if cfg.quantization != "none":  # before any data is read or weights loaded
         raise UsageError(f"--config {args.config} has {cfg.quantization} weights: training needs float weights "
                          "(train the float model, then clover convert --quantize)")
@@ -92,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         tc = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
             lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip_norm=args.clip,
-            lb_coef=args.lb_coef, z_coef=args.z_coef, seed=args.seed, noise_eps=args.noise_range[0],
-            noise_max=args.noise_range[1], block_grid=args.block_grid,
+            lb_coef=args.lb_coef, z_coef=args.z_coef, causal_coef=args.causal_coef, seed=args.seed,
+            noise_eps=args.noise_range[0], noise_max=args.noise_range[1], block_grid=args.block_grid,
             dispatch=args.dispatch or ("dense" if args.mesh else "tiled"), remat=args.remat,
             eval_every=args.eval_every, eval_seqs=args.eval_seqs, ckpt_every=args.ckpt_every,
             log_every=args.log_every)

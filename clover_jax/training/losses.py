@@ -11,6 +11,11 @@ it will have at inference: the committed, clean blocks before it (`model.masks.b
 Both halves use the same positions. Logits are computed for the noisy half only. Gated DeltaNet layers
 (hybrid configs) read the two halves as two streams: each noisy block starts from the recurrent state
 and conv inputs of the clean blocks before it (`gated_deltanet.mixer`, two_stream).
+
+Causal-prefix models (`cfg.causal_prefix`, Clover as its ports run it) run the clean half as a plain causal
+language model: the path that commits every block, scores exact likelihoods and checks self-speculative drafts.
+`diffusion_terms(..., causal=True)` also returns that path's next-token cross-entropy on the clean half
+(`LossTerms.causal_ce`), the objective that trains it; a model converted from Qwen3.6 has it from pretraining.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class LossTerms(NamedTuple):
     correct: Array  # [] masked positions whose argmax is the original token
     n_masked: Array  # [] masked positions
     moe: MoEStats | None  # stacked over MoE layers
+    causal_ce: Array  # [] sum of the clean half's next-token CE (0 unless `causal`)
+    n_causal: Array  # [] next-token predictions scored (0 unless `causal`)
 
 
 def n_blocks(cfg: ModelConfig, seq_len: int, grid: str = "absolute") -> int:
@@ -78,16 +85,18 @@ def corrupt(key: Array, tokens: Array, loss_mask: Array, t_pos: Array, mask_id: 
 
 def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array, valid: Array,
                       dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None,
-                      blocks: Array | None = None) -> ForwardOut:
+                      blocks: Array | None = None, clean_logits: bool = False) -> ForwardOut:
     """Logits [B, L, V] for the noisy sequence: next to the clean one for block-causal configs
     (each noisy block sees the clean blocks before it), alone for bidirectional ones. blocks [B, L]: the
-    block ids (default `masks.block_ids`, the absolute grid)."""
+    block ids (default `masks.block_ids`, the absolute grid). clean_logits (block-causal configs): logits
+    [B, 2L, V] for both halves, the clean half's after the noisy half's."""
     seq = noisy.shape[1]
     pos = masks.positions(valid)
     blk = masks.block_ids(cfg, valid) if blocks is None else blocks
     if cfg.is_block_causal:
         return forward(weights, cfg, jnp.concatenate([noisy, clean], axis=1), jnp.concatenate([pos, pos], axis=1),
-                       masks.block_diffusion_mask(valid, blk, cfg.causal_prefix), logits_len=seq, dispatch=dispatch,
+                       masks.block_diffusion_mask(valid, blk, cfg.causal_prefix),
+                       logits_len=None if clean_logits else seq, dispatch=dispatch,
                        remat=remat, mesh=mesh, valid=jnp.concatenate([valid, valid], axis=1),
                        blocks=jnp.concatenate([blk, blk], axis=1), two_stream=True)
     return forward(weights, cfg, noisy, pos, masks.full_mask(cfg, valid), dispatch=dispatch, remat=remat, mesh=mesh,
@@ -97,19 +106,36 @@ def denoising_forward(weights: Any, cfg: ModelConfig, noisy: Array, clean: Array
 def diffusion_terms(
     weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, loss_mask: Array, t_blocks: Array, key: Array,
     dispatch: str | None = None, remat: bool = False, mesh: MeshRules | None = None, grid: str = "absolute",
+    causal: bool = False,
 ) -> LossTerms:
     """Loss sums for one batch [B, L] at noise levels t_blocks [B, n_blocks(cfg, L, grid)] (n_blocks = 1 unless
-    block-causal), blocks laid on `grid` (`masks.training_block_ids`)."""
+    block-causal), blocks laid on `grid` (`masks.training_block_ids`). causal (causal-prefix configs only): also
+    the clean half's next-token CE, over the scored tokens that follow a real one."""
+    if causal and not cfg.causal_prefix:
+        raise ValueError(f"a causal next-token loss needs a causal-prefix model; {cfg.name} runs no causal path")
+    seq = tokens.shape[1]
     blk = masks.training_block_ids(cfg, valid, loss_mask, grid)
     t_pos = jnp.take_along_axis(t_blocks, blk if cfg.is_block_causal else jnp.zeros_like(blk), axis=1)
     noisy, masked = corrupt(key, tokens, loss_mask & valid, t_pos, cfg.mask_token_id)
-    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat, mesh, blocks=blk)
-    logits = out.logits
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    ce = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    out = denoising_forward(weights, cfg, noisy, tokens, valid, dispatch, remat, mesh, blocks=blk, clean_logits=causal)
+    logits = out.logits[:, :seq]
+    ce = _token_ce(logits, tokens)
     m = masked.astype(jnp.float32)
     correct = (jnp.argmax(logits, -1) == tokens).astype(jnp.float32) * m
-    return LossTerms(jnp.sum(ce * m / t_pos), jnp.sum(ce * m), correct.sum(), m.sum(), out.moe_stats)
+    causal_ce = n_causal = jnp.zeros((), jnp.float32)
+    if causal:  # the clean half's logits at i predict token i + 1
+        nxt = (loss_mask & valid)[:, 1:] & valid[:, :-1]
+        w = nxt.astype(jnp.float32)
+        causal_ce = jnp.sum(_token_ce(out.logits[:, seq:-1], tokens[:, 1:]) * w)
+        n_causal = w.sum()
+    return LossTerms(jnp.sum(ce * m / t_pos), jnp.sum(ce * m), correct.sum(), m.sum(), out.moe_stats, causal_ce,
+                     n_causal)
+
+
+def _token_ce(logits: Array, targets: Array) -> Array:
+    """Cross-entropy [B, L] of `targets` [B, L] under `logits` [B, L, V]."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 def load_balancing_loss(st: MoEStats, n_experts: int) -> Array:

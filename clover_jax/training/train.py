@@ -60,6 +60,9 @@ class TrainConfig:
     block_grid: str = "auto"
     lb_coef: float = 0.01  # Switch load-balancing loss
     z_coef: float = 1e-3  # router z-loss
+    # The clean half's next-token cross-entropy (causal-prefix models only: the causal path that commits blocks,
+    # scores exact likelihoods and checks self-speculative drafts), weighted against the diffusion loss; 0: off.
+    causal_coef: float = 0.0
     bias_update_rate: float = 1e-3  # aux-loss-free balancing for routers with a selection bias
     seed: int = 0
     dispatch: str = "dense"  # MoE dispatch used for training (must be differentiable)
@@ -79,7 +82,7 @@ class TrainConfig:
         for f in ("lr", "clip_norm"):
             if not math.isfinite(getattr(self, f)) or getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be a positive number, got {getattr(self, f)}")
-        for f in ("weight_decay", "lb_coef", "z_coef"):
+        for f in ("weight_decay", "lb_coef", "z_coef", "causal_coef"):
             if not math.isfinite(getattr(self, f)) or getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
         if self.warmup_steps < 0:
@@ -154,18 +157,24 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
     step, gradients accumulated over the micro-batches by a scan inside the program."""
 
     block_grid = masks.resolve_block_grid(cfg, tc.block_grid)
+    causal = tc.causal_coef > 0
+    if causal and not cfg.causal_prefix:
+        raise ConfigError(f"causal_coef {tc.causal_coef}: a causal next-token loss needs a causal-prefix model "
+                          f"(bd_gdn='causal_prefix'); {cfg.name} runs no causal path")
 
     def micro_loss(weights: Any, tok: Array, val: Array, lm: Array, key: Array, n_scored: Array):
         k_t, k_m = jax.random.split(key)
         t = losses.block_noise_levels(k_t, cfg, tok.shape[0], tok.shape[1], block_grid, tc.noise_eps, tc.noise_max)
-        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh, block_grid)
+        terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, k_m, tc.dispatch, tc.remat, mesh, block_grid,
+                                       causal=causal)
         diff = terms.weighted_ce / n_scored
+        ar = terms.causal_ce / n_scored
         lb = z = jnp.zeros((), jnp.float32)
         if terms.moe is not None:
             lb = losses.load_balancing_loss(terms.moe, cfg.n_experts)
             z = losses.router_z_loss(terms.moe)
-        total = diff + (tc.lb_coef * lb + tc.z_coef * z) / tc.grad_accum
-        return total, (diff, lb, z, terms.correct, terms.n_masked, terms.moe)
+        total = diff + tc.causal_coef * ar + (tc.lb_coef * lb + tc.z_coef * z) / tc.grad_accum
+        return total, (diff, lb, z, terms.correct, terms.n_masked, terms.moe, terms.causal_ce, terms.n_causal)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -178,18 +187,19 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
         def body(carry, xs):
             grads, acc = carry
             tok, val, lm, k = xs
-            (_, (diff, lb, z, corr, nm, st)), g = grad_fn(state.weights, tok, val, lm, k, n_scored)
+            (_, (diff, lb, z, corr, nm, st, cce, nc)), g = grad_fn(state.weights, tok, val, lm, k, n_scored)
             grads = jax.tree.map(jnp.add, grads, g)
             load = st.load if st is not None else jnp.zeros((1, 1))
-            acc = (acc[0] + diff, acc[1] + lb, acc[2] + z, acc[3] + corr, acc[4] + nm, acc[5] + load)
+            acc = (acc[0] + diff, acc[1] + lb, acc[2] + z, acc[3] + corr, acc[4] + nm, acc[5] + load, acc[6] + cce,
+                   acc[7] + nc)
             return (grads, acc), None
 
         n_layers_moe = cfg.n_moe_layers if cfg.n_moe_layers else 1
         e = cfg.n_experts if cfg.n_moe_layers else 1
         f0 = jnp.zeros((), jnp.float32)
-        acc0 = (f0, f0, f0, f0, f0, jnp.zeros((n_layers_moe, e), jnp.float32))
+        acc0 = (f0, f0, f0, f0, f0, jnp.zeros((n_layers_moe, e), jnp.float32), f0, f0)
         (grads, acc), _ = jax.lax.scan(body, (zeros, acc0), (tokens, valid, loss_mask, keys))
-        diff, lb, z, corr, nm, load = acc
+        diff, lb, z, corr, nm, load, cce, nc = acc
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.weights)
         weights = optax.apply_updates(state.weights, updates)
@@ -197,6 +207,8 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
             weights = _expert_bias_update(weights, load / tc.grad_accum, tc.bias_update_rate)
         metrics = {"loss": diff, "lb_loss": lb / tc.grad_accum, "z_loss": z / tc.grad_accum,
                    "masked_acc": corr / jnp.maximum(nm, 1.0), "grad_norm": grad_norm}
+        if causal:
+            metrics["causal_loss"] = cce / jnp.maximum(nc, 1.0)
         return TrainState(state.step + 1, weights, opt_state, state.key), metrics
 
     return step_fn
@@ -204,9 +216,11 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, tx: optax.GradientTransfo
 
 def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
                  mesh: MeshRules | None = None) -> Callable:
-    """(weights, tokens, valid, loss_mask [chunks, mb, L]) -> dict of eval figures; one jitted program."""
+    """(weights, tokens, valid, loss_mask [chunks, mb, L]) -> dict of eval figures; one jitted program. A
+    causal-prefix model's figures include `eval_causal_ce`: the causal path's next-token CE (nats/token)."""
     levels = jnp.asarray(proto.t_grid, jnp.float32)
     block_grid = masks.resolve_block_grid(cfg, proto.block_grid)
+    causal = cfg.causal_prefix
 
     def eval_fn(weights: Any, tokens: Array, valid: Array, loss_mask: Array) -> dict:
         base = jax.random.PRNGKey(proto.seed)
@@ -217,19 +231,23 @@ def make_eval_fn(cfg: ModelConfig, proto: EvalProtocol, dispatch: str | None,
             def at_t(acc, j):
                 t = jnp.full((tok.shape[0], losses.n_blocks(cfg, tok.shape[1], block_grid)), levels[j])
                 key = jax.random.fold_in(jax.random.fold_in(base, i), j)
-                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh, grid=block_grid)
+                terms = losses.diffusion_terms(weights, cfg, tok, val, lm, t, key, dispatch, mesh=mesh, grid=block_grid,
+                                               causal=causal)
                 return (acc[0] + terms.weighted_ce, acc[1] + terms.ce, acc[2] + terms.correct,
-                        acc[3] + terms.n_masked), None
+                        acc[3] + terms.n_masked, acc[4] + terms.causal_ce, acc[5] + terms.n_causal), None
 
             acc, _ = jax.lax.scan(at_t, acc, jnp.arange(levels.shape[0]))
             return acc, None
 
         f0 = jnp.zeros((), jnp.float32)
         idx = jnp.arange(tokens.shape[0])
-        (wce, ce, corr, nm), _ = jax.lax.scan(chunk, (f0, f0, f0, f0), (idx, tokens, valid, loss_mask))
+        (wce, ce, corr, nm, cce, nc), _ = jax.lax.scan(chunk, (f0,) * 6, (idx, tokens, valid, loss_mask))
         n_scored = jnp.maximum(jnp.sum(loss_mask & valid).astype(jnp.float32), 1.0)
-        return {"eval_loss": wce / (n_scored * levels.shape[0]), "eval_masked_ce": ce / jnp.maximum(nm, 1.0),
-                "eval_masked_acc": corr / jnp.maximum(nm, 1.0)}
+        out = {"eval_loss": wce / (n_scored * levels.shape[0]), "eval_masked_ce": ce / jnp.maximum(nm, 1.0),
+               "eval_masked_acc": corr / jnp.maximum(nm, 1.0)}
+        if causal:  # the clean half is the same at every t: the mean over the grid is its figure
+            out["eval_causal_ce"] = cce / jnp.maximum(nc, 1.0)
+        return out
 
     return eval_fn
 
