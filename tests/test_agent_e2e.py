@@ -11,6 +11,7 @@ on two cores, too long to run here), which must answer most held-out questions t
 
 from __future__ import annotations
 
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -159,3 +160,16 @@ def test_on_chunk_needs_a_stream():
     task = toy_agent.split(N_TRAIN, N_HELD, seed=0)[1][0]
     with pytest.raises(ValueError, match="stream=True"):
         toy_agent.run_agent(None, "clover-tiny-tools", task, on_chunk=print)
+
+
+def test_the_serving_pages_tool_example_runs_as_written(tools_server, capsys):
+    """docs/serving.md's tool-calling example, run as written against clover-tiny-tools (only the server's address
+    is this test's): the model calls `square`, the loop runs it and sends the result back, and the answer is 49."""
+    client, name, _ = tools_server
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    found = re.search(r"```python\n(# clover serve --model checkpoints/clover-tiny-tools.*?)```", page, re.S)
+    assert found and name == "clover-tiny-tools" and f'model="{name}"' in found.group(1)
+    code = found.group(1).replace("http://127.0.0.1:8000/v1", str(client.base_url))
+    capsys.readouterr()
+    exec(compile(code, "docs/serving.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "49"
