@@ -249,3 +249,17 @@ def test_batches_are_a_function_of_the_index() -> None:
     ds = TokenStream(synthetic_ids(1000), 16, 7)
     a, b = ds.batch(5, 3), ds.batch(5, 3)
     assert isinstance(a, Batch) and (a.tokens == b.tokens).all() and not (ds.batch(6, 3).tokens == a.tokens).all()
+
+
+def test_init_from_takes_another_reading_of_the_same_weights() -> None:
+    """`clover train --init-from`: a config that only reads the same tensors another way (bd_gdn, the name) starts
+    from the checkpoint, and the note says what changed; one whose weights differ is refused naming the fields."""
+    from clover_jax.commands.train import init_changes
+    from clover_jax.errors import UsageError
+
+    base = get_config("test-clover-hybrid")
+    assert init_changes(base, base, "ckpt") == ""
+    said = init_changes(base, base.replace(bd_gdn="causal_prefix", name="prefix"), "ckpt")
+    assert said == "name 'test-clover-hybrid' -> 'prefix', bd_gdn 'reconstructed' -> 'causal_prefix'"
+    with pytest.raises(UsageError, match=r"do not fit --config: .*bd_conv_right_kernel 3 -> 4"):
+        init_changes(base, base.replace(bd_conv_right_kernel=4), "ckpt")

@@ -13,9 +13,15 @@ import sys
 
 import numpy as np
 
-from clover_jax.checkpoint import check_destination, load_checkpoint_config, load_model, save_model
+from clover_jax.checkpoint import (
+    check_destination,
+    expected_leaves,
+    load_checkpoint_config,
+    load_model,
+    save_model,
+)
 from clover_jax.commands.model_card import model_card
-from clover_jax.config import load_config
+from clover_jax.config import ModelConfig, load_config
 from clover_jax.errors import UsageError
 from clover_jax.mesh.layouts import mesh_from_arg
 from clover_jax.model import params
@@ -84,6 +90,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def init_changes(init: ModelConfig, cfg: ModelConfig, where: str) -> str:
+    """The fields `cfg` changes from the --init-from checkpoint's config `init`, in words ("" when none), when every
+    weight keeps its name, shape and dtype (a model fine-tuned into another reading of the same tensors, e.g.
+    bd_gdn reconstructed -> causal_prefix, or renamed); UsageError naming the fields when the weights would not fit."""
+    a, b = init.to_dict(), cfg.to_dict()
+    fields = [k for k in a if a[k] != b[k]]
+    if not fields:
+        return ""
+    said = ", ".join(f"{k} {a[k]!r} -> {b[k]!r}" for k in fields)
+    if _leaf_shapes(init) != _leaf_shapes(cfg):
+        raise UsageError(f"--init-from {where} holds config {init.name!r}, whose weights do not fit --config: {said}")
+    return said
+
+
+def _leaf_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    return {name: (spec.shape, str(spec.dtype)) for name, spec in expected_leaves(cfg).items()}
+
+
 def run(args: argparse.Namespace) -> int:
     """Check every flag, the data and the mesh, then train (resuming from --out) and export."""
     # Everything that can be wrong with the input is checked here, before JAX compiles anything.
@@ -145,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
         if load_checkpoint_config(args.init_from).quantization != "none":
             raise UsageError(f"--init-from {args.init_from} holds quantized weights: training needs float weights")
         icfg, init_weights = load_model(args.init_from)
-        if icfg.to_dict() != cfg.to_dict():
-            raise UsageError(f"--init-from {args.init_from} holds config {icfg.name!r}, which differs from --config")
+        changed = init_changes(icfg, cfg, args.init_from)
+        if changed:
+            print(f"clover train: --init-from {args.init_from}: --config changes {changed} (the weights keep their "
+                  "shapes)", file=sys.stderr)
 
     res = train(cfg, tc, train_data, eval_data, ckpt_dir=args.out, mesh=mesh, stop_at=args.stop_at,
                 progress=not args.no_progress, init_weights=init_weights, eval_at_end=False)
