@@ -5,7 +5,10 @@ marked runnable run, and the user-facing text says nothing about how the project
 Markers in the markdown (HTML comments, invisible on GitHub and on the site):
 
 - `<!-- flags: clover generate -->` before the table that documents that command's flags;
-- `<!-- runnable -->` before a ```bash block whose commands a test runs (quick ones only); each line is one command.
+- `<!-- runnable -->` before a ```bash block whose commands a test runs (quick ones only); each line is one command;
+- `<!-- runnable: python -->` before a ```python block a test runs whole (in a scratch directory);
+- `<!-- run by tests/NAME.py -->` before a block another test runs as written;
+- `<!-- not run: REASON -->` before any other ```bash or ```python block: why no test can run it (a TPU, a download).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ PAGES = sorted(Path(p) for p in glob.glob(str(DOCS / "**" / "*.md"), recursive=T
 TEXTS = [README, *PAGES]
 FLAGS_MARK = re.compile(r"^<!-- flags: (clover(?: [a-z]+)*) -->$")
 RUNNABLE_MARK = "<!-- runnable -->"
+RUNNABLE_PYTHON = "<!-- runnable: python -->"
+RUN_BY = re.compile(r"^<!-- run by (tests/\w+\.py) -->$")
+NOT_RUN = re.compile(r"^<!-- not run: (\S.*\S) -->$")
 FLAG = re.compile(r"--[A-Za-z0-9][\w-]*")
 # What must not reach a reader: issue numbers and talk about how the project is developed.
 DEV_TALK = re.compile(r"(?<![\w/&#])#\d+\b|\b(?:issues?|sessions?|the lead|this task)\b", re.I)
@@ -319,6 +325,49 @@ def test_runnable_block(where: str, argv: list[str]):
                        text=True, timeout=600)
     assert r.returncode == 0, f"{where}: {' '.join(argv)} exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     assert r.stdout.strip(), f"{where}: {' '.join(argv)} printed nothing"
+
+
+def _marked_blocks() -> list[tuple[str, str, str, str]]:
+    """(where, language, the marker line before it, body) of every ```bash and ```python block."""
+    out = []
+    for page in TEXTS:
+        text = page.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for start, info, body in _fenced_blocks(text):
+            lang = info.split()[0] if info.split() else ""
+            if lang in ("bash", "python"):
+                before = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+                out.append((f"{_rel(page)}:{start + 1}", lang, before, body))
+    return out
+
+
+BLOCKS = _marked_blocks()
+PYTHON_RUNNABLE = [(where, body) for where, lang, mark, body in BLOCKS if mark == RUNNABLE_PYTHON]
+
+
+def test_every_code_block_runs_or_says_why_not():
+    """Each ```bash / ```python block of the README and the pages is run by a test as written, or says why not."""
+    problems = []
+    for where, lang, mark, _ in BLOCKS:
+        by = RUN_BY.match(mark)
+        if by:
+            test = ROOT / by.group(1)
+            if not test.is_file() or where.split(":")[0] not in test.read_text(encoding="utf-8"):
+                problems.append(f"{where}: {by.group(1)} does not run a block of {where.split(':')[0]}")
+        elif not (NOT_RUN.match(mark) or (mark == RUNNABLE_MARK and lang == "bash")
+                  or (mark == RUNNABLE_PYTHON and lang == "python")):
+            problems.append(f"{where}: a ```{lang} block with neither a runnable marker nor '<!-- not run: REASON -->'")
+    assert not problems, "\n".join(problems)
+    assert len(PYTHON_RUNNABLE) >= 2  # the README's and Getting started's
+
+
+@pytest.mark.parametrize(("where", "code"), PYTHON_RUNNABLE, ids=[w for w, _ in PYTHON_RUNNABLE])
+def test_runnable_python_block(where: str, code: str, tmp_path: Path):
+    """The block runs whole, as written, in a scratch directory (what it saves lands there)."""
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, f"{where}: exited {r.returncode}\n{r.stderr[-4000:]}"
+    assert "Traceback" not in r.stderr
 
 
 # ---- the pages themselves --------------------------------------------------------------------------------------
