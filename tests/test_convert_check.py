@@ -179,7 +179,8 @@ def test_cli_prints_the_report_and_exits_with_its_code(tmp_path, capsys):
             main(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: clover convert" in err and "required: DST" in err and "--check takes SRC alone" in err
+    assert "clover convert: error: " in err and "required: DST" in err and "--check takes SRC alone" in err
+    assert "(see clover convert --help)" in err and "usage:" not in err  # one line each, no usage block
     assert main(["convert", "--check", _small(tmp_path, "good")]) == 0
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("OK")
 

@@ -44,7 +44,8 @@ def test_the_config_is_the_table():
     traced = [s.knob_as or s.name for s in S.SETTINGS.values() if s.knob is not None]
     assert list(S.Knobs._fields) == traced
     assert not any(S.SETTINGS[k].compiled for k in S.SETTINGS if k in S.Knobs._fields)
-    assert {"gen_length", "block_length", "cache", "block_grid"} == {k for k, s in S.SETTINGS.items() if s.compiled}
+    assert {"gen_length", "block_length", "cache", "block_grid", "self_speculative"} == \
+        {k for k, s in S.SETTINGS.items() if s.compiled}
 
 
 @pytest.mark.parametrize("name", list(S.SETTINGS))
@@ -205,7 +206,7 @@ def test_a_stored_setting_out_of_range_is_named_by_its_file(tmp_path, capsys):
     (model / "generation_config.json").write_text(json.dumps({"threshold": 2}))
     assert cli.main(["generate", "x", "--model", str(model)]) == 2
     err = capsys.readouterr().err
-    assert "error: --threshold must be a number in (0, 1] (or 0 = off), got 2; --threshold comes from " in err
+    assert "error: --threshold must be a number in (0, 1] (or 0 = off), got 2.0; --threshold comes from " in err
     assert "generation_config.json when not given (a flag overrides it)" in err
 
 
