@@ -12,7 +12,6 @@ of its start-up warnings, on a host without a TPU chip); `--verbose` says which 
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import re
 import sys
@@ -21,7 +20,7 @@ import traceback
 from clover_jax import compile_cache, platforms
 from clover_jax.commands import convert, generate, info, plan, serve, tokenizer, train
 from clover_jax.commands import eval as eval_command
-from clover_jax.errors import CloverError
+from clover_jax.errors import CloverError, did_you_mean
 from clover_jax.version import __version__
 
 COMMANDS = (convert, eval_command, generate, info, plan, serve, tokenizer, train)
@@ -40,9 +39,8 @@ class Parser(argparse.ArgumentParser):
         for arg in extras:
             if arg.startswith("-"):
                 name = arg.split("=", 1)[0]
-                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                self.exit(2, f"{self.prog}: error: unknown flag {name}{hint} (see {self.prog} --help)\n")
+                self.exit(2, f"{self.prog}: error: unknown flag {name}{did_you_mean(name, flags)} "
+                             f"(see {self.prog} --help)\n")
         self.error(f"unexpected arguments: {' '.join(extras)}")
 
 
@@ -51,9 +49,7 @@ def _with_suggestion(message: str) -> str:
     m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
     if m:
         choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
-        close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.75)
-        if close:
-            return f"{message}; did you mean {close[0]!r}?"
+        return message + did_you_mean(m.group(1), choices)
     return message
 
 

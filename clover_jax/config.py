@@ -231,15 +231,15 @@ def _kind_of(annotation: str) -> tuple[str, bool]:
     return (base if base in _KINDS else "str"), optional  # Family, RouterKind, ...: strings of a fixed set
 
 
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
 def _has_kind(value: Any, kind: str) -> bool:
     if kind == "names":
         return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
+    if isinstance(value, bool) and kind != "bool":
         return False  # JSON's true is no size
-    return isinstance(value, int) if kind == "int" else isinstance(value, (int, float)) if kind == "float" else \
-        isinstance(value, str)
+    return isinstance(value, _TYPES[kind])
 
 
 def check_field_types(cfg: ModelConfig) -> None:

@@ -8,6 +8,9 @@ per-module errors as `ValueError` keeps working.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class CloverError(ValueError):
     """Bad input that Clover-JAX refuses with a message naming the problem."""
@@ -61,3 +64,9 @@ class UsageError(CloverError):
 
 class EvaluationError(CloverError):
     """A likelihood or evaluation request that cannot run (an empty answer, too long, bad model arguments)."""
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    """" (did you mean X?)" for the option closest to a mistyped `word`, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -19,7 +19,7 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "published" / "clover_m
 def _mistakes(tmp: Path, port: int) -> dict[str, tuple[list[str], str]]:
     """name -> (argv, what the one line must say)."""
     return {
-        "a mistyped command": (["generat", "hi"], r"invalid choice: 'generat' .*; did you mean 'generate'\?"),
+        "a mistyped command": (["generat", "hi"], r"invalid choice: 'generat' .* \(did you mean generate\?\)"),
         "a mistyped flag": (["generate", "--gen-lenght", "64", "hi"],
                             r"unknown flag --gen-lenght \(did you mean --gen-length\?\)"),
         "a mistyped choice": (["generate", "--remasking", "low_confidance", "hi"],

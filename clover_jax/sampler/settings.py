@@ -26,7 +26,6 @@ generator's rule.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -38,7 +37,7 @@ import jax
 import numpy as np
 
 from clover_jax.config import ModelConfig
-from clover_jax.errors import CloverError, SamplerError
+from clover_jax.errors import CloverError, SamplerError, did_you_mean
 from clover_jax.jsonfile import read_object
 from clover_jax.model import masks
 from clover_jax.sampler.scoring import REMASKING, remasking_index
@@ -226,9 +225,7 @@ class Setting:
     def check(self, value: Any, spelt: str | None = None, maximum: float | None = None) -> None:
         """SamplerError "<spelt> must be <rule>, got <value>" unless `value` satisfies the rule."""
         if not self.accepts(value, maximum):
-            close = difflib.get_close_matches(value, self.choices, n=1, cutoff=0.75) \
-                if self.choices and isinstance(value, str) else []
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = did_you_mean(value, self.choices) if self.choices and isinstance(value, str) else ""
             raise SamplerError(f"{spelt or self.name} must be {self.rule(maximum)}, got {value!r}{hint}",
                                setting=self.name, param=spelt or self.name)
 

@@ -209,11 +209,11 @@ class Engine:
         for i, (key, (fn, args)) in enumerate(programs.items(), 1):
             t0 = time.perf_counter()
             exe = fn.lower(*args).compile()
-            kind, rows = key
+            kind, size = key  # rows of a block program, prompt width of a prefill program
             if kind == "block":
-                self._advance[rows] = exe
+                self._advance[size] = exe
             elif kind == "prefill":
-                self._admit[rows] = exe
+                self._admit[size] = exe
             else:
                 self._move = exe
             if kind == "block" or (self.cache == "prefix" and kind == "prefill"):
