@@ -178,6 +178,57 @@ def test_self_speculative_refuses_what_it_cannot_do(weights):
     assert two.raw[1].tolist() == one.raw[0].tolist() and two.stats.rows == 2  # prompts one after another
 
 
+def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
+    """A request with `self_speculative` (on an engine started with it) gets exactly `generate`'s self-speculative
+    tokens, cut at its max_tokens, while ordinary rows run beside it; a server without it, or a model without a
+    causal prefix, refuses by name."""
+    import threading
+
+    from clover_jax.serving.engine import Engine
+    from clover_jax.serving.requests import BadRequest, Request, ServingError
+
+    eng = Engine(weights, CFG, block_length=8, max_prompt=8, max_tokens=24, batch_sizes=(2,), dispatch="dense",
+                 self_speculative=True)
+    spec = SamplerConfig(self_speculative=True, threshold=0.5)
+    reqs = [Request((5, 9, 17, 33, 40), 24, spec), Request((7, 8, 9), 13, spec),
+            Request((11, 12), 16, SamplerConfig(eos_stop=False))]
+    events: dict[int, list] = {}
+    done = threading.Event()
+
+    def sink(i):
+        def on_event(ev):
+            events.setdefault(i, []).append(ev)
+            if sum(1 for v in events.values() if v[-1].finish_reason) == len(reqs):
+                done.set()
+        return on_event
+
+    for i, r in enumerate(reqs):
+        eng.submit(r, sink(i))
+    eng.start()
+    assert done.wait(600)
+    eng.drain()
+    for i, r in enumerate(reqs[:2]):
+        (ev,) = events[i]  # one piece
+        ref = generate(weights, CFG, [list(r.prompt)], SamplerConfig(gen_length=24, block_length=8,
+                                                                     self_speculative=True, threshold=0.5),
+                       dispatch="dense")
+        want = ref.tokens[0][:r.max_tokens]
+        assert list(ev.tokens) == want, i
+        assert ev.finish_reason == ("stop" if len(ref.tokens[0]) < r.max_tokens else "length")
+        assert ev.passes > 0
+    plain = [t for ev in events[2] for t in ev.tokens]
+    assert plain == generate(weights, CFG, [[11, 12]], reqs[2].row_settings(8).replace(cache="prefix"),
+                             dispatch="dense").raw[0].tolist()[:16]
+    stats = eng.stats()
+    assert stats.requests_finished == 3 and stats.active_rows == 0
+    plain_engine = Engine(weights, CFG, block_length=8, max_prompt=8, max_tokens=24, batch_sizes=(1,),
+                          dispatch="dense")
+    with pytest.raises(BadRequest, match="needs a server started with --self-speculative"):
+        plain_engine.submit(reqs[0], lambda ev: None)
+    with pytest.raises(ServingError, match="not run with a causal prefix"):
+        Engine(None, get_config("test-clover-hybrid"), block_length=8, self_speculative=True)
+
+
 def test_the_causal_loss_is_the_causal_models_next_token_ce(weights):
     """`diffusion_terms(causal=True)`: the clean half's next-token CE is the causal model's (whose logits equal
     transformers' Qwen3.5), over the scored tokens after the first; the diffusion terms are the same either way."""

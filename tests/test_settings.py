@@ -233,12 +233,20 @@ def test_every_request_field_lands_on_its_setting():
     values = {"block_length": 16, "steps_per_block": 3, "remasking": "margin", "threshold": 0.25, "temperature": 0.5,
               "top_p": 0.75, "top_k": 7, "seed": 12, "cache": "prefix", "presence_penalty": 0.5,
               "frequency_penalty": -0.25, "repetition_penalty": 1.5}
-    assert set(values) == set(S.REQUEST_NAMES)
+    assert set(values) | {"self_speculative"} == set(S.REQUEST_NAMES)  # that one greedy, below
     body: dict = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {}}
     for name, wire in S.REQUEST_NAMES.items():
-        (body["diffusion"] if wire.startswith("diffusion.") else body)[wire.removeprefix("diffusion.")] = values[name]
+        if name in values:
+            (body["diffusion"] if wire.startswith("diffusion.") else body)[wire.removeprefix("diffusion.")] = \
+                values[name]
     sampling = parse_job(body, engine, (5, 6), False).requests[0].sampling
     assert {k: getattr(sampling, k) for k in values} == values
+    spec = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {"self_speculative": True}}
+    with pytest.raises(BadRequest, match="diffusion.self_speculative needs a server started with "
+                                         "--self-speculative"):
+        parse_job(spec, engine, (5, 6), False)
+    engine.self_speculative = True
+    assert parse_job(spec, engine, (5, 6), False).requests[0].sampling.self_speculative is True
 
 
 def test_each_compiled_setting_compiles_a_new_program():

@@ -69,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait for a batch row; more get HTTP 429 (default 256)")
     p.add_argument("--cache", choices=CACHE_MODES, default="auto",
                    help="auto (default): the exact prefix cache for block-causal models, none otherwise")
+    p.add_argument("--self-speculative", action="store_true",
+                   help="also serve requests that ask for self-speculative decoding ('diffusion': "
+                        "{'self_speculative': true}: the causal model's greedy text, drafted by the block "
+                        "diffusion; each runs alone and arrives in one piece); a causal-prefix model's")
     p.add_argument("--dispatch", default=None, help="MoE dispatch (default: the model's, or the mesh's)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level of every line (default info; warning hides the access lines)")
@@ -252,7 +256,8 @@ def check_defaults(defaults: dict[str, Any], engine: Any, where: str) -> None:
 def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
-                              "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh}
+                              "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh,
+                              "self_speculative": args.self_speculative}
     if args.block_length is not None:
         kwargs["block_length"] = args.block_length
     if args.max_prompt is not None:

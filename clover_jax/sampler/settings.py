@@ -119,7 +119,7 @@ class SamplerConfig:
     self_speculative: bool = setting(False, "let the block diffusion draft and the causal model accept: exactly the "
                                             "causal model's greedy text, in fewer passes when the drafts agree "
                                             "(Clover as its ports run it; temperature 0, one sequence a program)",
-                                     bool, compiled=True)
+                                     bool, compiled=True, request="diffusion.self_speculative")
 
     @property
     def n_blocks(self) -> int:

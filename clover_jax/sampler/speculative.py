@@ -20,7 +20,9 @@ Every accepted token is the causal model's greedy choice given the tokens before
 model's greedy decoding, whatever the draft; a good draft only makes it cheaper (up to L + 1 tokens for the
 draft's passes plus two). Greedy only (temperature 0), one sequence a program (the rows of a batch would accept
 different lengths), the prefix cache. Layout: [prompt (P, left-padded) | generated (G) | 2L + 1 spare columns for
-a round's window overhang], every column of a row from its prompt on valid.
+a round's window overhang], every column of a row from its prompt on valid. The loop stops at an accepted end
+token or once the generated columns that `start` leaves masked (its leading run of mask tokens: all G in the
+sampler, a request's max_tokens in the serving engine) are filled.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run_speculative(spec: Any, forward_fn: ForwardFn, weights: Any, prompt: Arra
     s = p + g + 2 * bl + 1  # a round's window starts before p + g and is 2L + 1 wide
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
     col = jnp.arange(s)
+    limit = jnp.sum(jnp.cumprod((start[0] == mask_id).astype(jnp.int32)))  # the columns to fill
     first = p - prompt_len.astype(jnp.int32)[0]  # the prompt's first column
     valid = (col >= first)[None]
     positions = masks.positions(valid)
@@ -125,13 +128,13 @@ def run_speculative(spec: Any, forward_fn: ForwardFn, weights: Any, prompt: Arra
         return _Round(cv, cache, draft, a + 1, r.nfe + passes + 1, r.steps + passes + 1, stop, key)
 
     def more(r: _Round) -> Array:
-        return (r.done + r.known < p + g) & ~r.stopped
+        return (r.done + r.known < p + limit) & ~r.stopped
 
     init = _Round(canvas, cache, jnp.int32(p - 1), jnp.int32(1), jnp.int32(1 if p > 1 else 0), jnp.int32(0),
                   jnp.bool_(False), jax.random.key(knobs.seed))
     r = jax.lax.while_loop(more, round_, init)
     gen = r.canvas[:, p:p + g]
-    made = jnp.minimum(r.done + r.known - p, g)
+    made = jnp.minimum(r.done + r.known - p, limit)
     gen = jnp.where(jnp.arange(g)[None] < made, gen, eos_id if eos_id is not None else mask_id)
     if eos_id is not None:
         gen = denoise.fill_after_end(gen, eos_id, mask_id, jnp.bool_(True))

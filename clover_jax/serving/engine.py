@@ -14,7 +14,10 @@ Contract:
     prefilled then) and drops cancelled ones; running rows stay in [0, n) and the call runs the
     smallest bucket that holds n, so one request alone runs at batch 1;
   * a request's tokens depend only on itself (its own knobs and random key, exact caches), never on
-    what else shares the batch.
+    what else shares the batch;
+  * with `self_speculative` (a causal-prefix model), a request that asks for it (`SamplerConfig.self_speculative`)
+    runs alone on a lane of its own beside the rows, through the sampler's self-speculative program
+    (`serving.speculative`), and gets its whole response in one event.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from clover_jax.model.moe import choose_dispatch
 from clover_jax.sampler.generate import check_block_length
 from clover_jax.sampler.settings import SamplerConfig, knobs, resolve_cache
 from clover_jax.sampler.step import pow2_widths
-from clover_jax.serving import program
+from clover_jax.serving import program, speculative
 from clover_jax.serving.requests import Draining, Event, QueueFull, Request, ServingError
 
 
@@ -92,6 +95,7 @@ class _Counters:
     row_passes: int = 0
     blocks: int = 0
     rows_in_blocks: int = 0
+    spec_running: int = 0  # self-speculative requests on their lane now
 
 
 def _round_up(n: int, m: int) -> int:
@@ -114,6 +118,7 @@ class Engine:
     mesh: MeshRules | None = None
     forward_fn: ForwardFn | None = None
     admit_window_s: float = 0.02  # after rows freed: wait this long (at most 5% of a block) for new requests
+    self_speculative: bool = False  # also serve self-speculative requests (a causal-prefix model's; see above)
     _lock: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,12 +148,17 @@ class Engine:
         need(self.cache in ("auto", "dual", *program.SERVE_CACHE_MODES),
              f"unknown cache mode {self.cache!r}; choose one of auto, {', '.join(program.SERVE_CACHE_MODES)}")
         self.cache = resolve_cache(cfg, self.cache)
+        if self.self_speculative:
+            need(cfg.causal_prefix, f"config {cfg.name!r} is not run with a causal prefix (bd_gdn='causal_prefix'): "
+                 "self-speculative decoding needs its causal model to check the drafts")
+            need(self.cache == "prefix", f"self-speculative decoding needs the prefix cache, not {self.cache!r}")
         need(self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}")
         if self.forward_fn is None:
             if self.dispatch is None and self.mesh is not None:  # on a mesh: its expert-parallel strategy
                 self.dispatch = choose_dispatch(self.mesh)
             self.forward_fn = ModelForward(cfg, self.dispatch, self.mesh)
         self.widths = pow2_widths(self.columns - bl, bl)  # the prompt widths a new row is prefilled in
+        self.spec_columns = _round_up(self.max_tokens, bl)  # a self-speculative request's generated columns
         self._queue: collections.deque[_Job] = collections.deque()
         self._slots: list[_Job | None] = [None] * sizes[-1]
         self._by_id: dict[int, _Job] = {}
@@ -163,6 +173,9 @@ class Engine:
         self._admit: dict[int, Any] = {}
         self._move: Any = None
         self._state: program.SlotState | None = None
+        self._spec_queue: collections.deque[_Job] = collections.deque()
+        self._spec: dict[int, Any] = {}  # prompt width -> the self-speculative program
+        self._spec_thread: threading.Thread | None = None
 
     # ---- compiled programs ------------------------------------------------------------------------
 
@@ -186,6 +199,8 @@ class Engine:
                                  (weights, state, *program.row_args(state)))
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         out["move", 0] = (program.move_program(state, mesh), (state, scalar, scalar))
+        if self.self_speculative:
+            out.update(speculative.programs(cfg, fwd, bl, self.widths, self.spec_columns, weights, mesh))
         return out
 
     def describe(self, key: tuple[str, int]) -> str:
@@ -195,6 +210,8 @@ class Engine:
             return f"block program for {n} row{'s' if n > 1 else ''} x {self.columns} columns ({self.cache} cache)"
         if kind == "prefill":
             return f"prefill program for prompts up to {n} tokens" if self.cache == "prefix" else "row program"
+        if kind == speculative.KIND:
+            return f"self-speculative program for prompts up to {n} tokens"
         return "row move program"
 
     def warm_up(self, log: Callable[[str], None] | None = None) -> None:
@@ -214,9 +231,11 @@ class Engine:
                 self._advance[size] = exe
             elif kind == "prefill":
                 self._admit[size] = exe
+            elif kind == speculative.KIND:
+                self._spec[size] = exe
             else:
                 self._move = exe
-            if kind == "block" or (self.cache == "prefix" and kind == "prefill"):
+            if kind != "move" and (kind != "prefill" or self.cache == "prefix"):
                 now = time.perf_counter()
                 left = f", about {(now - start) / i * (n - i):.0f} s left" if i < n else ""
                 say(f"{self.describe(key)}: {now - t0:.1f} s [{i}/{n} programs{left}]")
@@ -245,7 +264,8 @@ class Engine:
 
     def submit(self, req: Request, on_event: Callable[[Event], None]) -> int:
         """Queue `req`; see the module docstring. Raises BadRequest, QueueFull or Draining."""
-        req.check(self.block_length, self.cache, self.cfg.vocab_size, self.max_prompt, self.max_tokens)
+        req.check(self.block_length, self.cache, self.cfg.vocab_size, self.max_prompt, self.max_tokens,
+                  speculative=self.self_speculative)
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
@@ -254,7 +274,7 @@ class Engine:
             rid = self._next_id
             self._next_id += 1
             job = _Job(rid, req, on_event, req.row_settings(self.block_length))
-            self._queue.append(job)
+            (self._spec_queue if req.sampling.self_speculative else self._queue).append(job)
             self._by_id[rid] = job
             self._lock.notify_all()
         return rid
@@ -267,8 +287,9 @@ class Engine:
             if job is None:
                 return
             job.cancelled = True
-            if job in self._queue:
-                self._queue.remove(job)
+            queue = next((q for q in (self._queue, self._spec_queue) if job in q), None)
+            if queue is not None:
+                queue.remove(job)
                 del self._by_id[rid]
                 self._count.finished += 1
             else:
@@ -281,8 +302,9 @@ class Engine:
         """The counters now."""
         with self._lock:
             c = self._count
-            return EngineStats(c.admitted, c.finished, c.tokens, c.program_passes, c.row_passes, len(self._queue),
-                               sum(j is not None for j in self._slots), self.capacity, c.blocks, c.rows_in_blocks)
+            return EngineStats(c.admitted, c.finished, c.tokens, c.program_passes, c.row_passes,
+                               len(self._queue) + len(self._spec_queue), sum(j is not None for j in self._slots)
+                               + c.spec_running, self.capacity, c.blocks, c.rows_in_blocks)
 
     @property
     def draining(self) -> bool:
@@ -295,18 +317,23 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
             self._thread.start()
+        if self.self_speculative and self._spec_thread is None:
+            self._spec_thread = threading.Thread(target=self._run_speculative, name="clover-speculative",
+                                                 daemon=True)
+            self._spec_thread.start()
 
     def drain(self, timeout: float | None = None) -> None:
         """Admit nothing new, let queued and running requests finish (starting the scheduler if it never
         was), then stop the scheduler thread."""
-        if self._thread is None and self._queue:
+        if self._thread is None and (self._queue or self._spec_queue):
             self.start()
         with self._lock:
             self._draining = True
             self._stopping = True
             self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        for thread in (self._thread, self._spec_thread):
+            if thread is not None:
+                thread.join(timeout)
 
     # ---- the scheduler ----------------------------------------------------------------------------
 
@@ -339,6 +366,42 @@ class Engine:
                 self._block(running)
             except Exception as e:  # a device failure: every running request ends, the engine goes on
                 self._fail(running, e)
+
+    def _run_speculative(self) -> None:
+        """The self-speculative lane: one request at a time, whole (`serving.speculative`)."""
+        while True:
+            with self._lock:
+                while not self._spec_queue and not self._stopping:
+                    self._lock.wait()
+                if not self._spec_queue:
+                    return
+                job = self._spec_queue.popleft()
+                job.queued_s = time.monotonic() - job.submitted
+                self._count.admitted += 1
+                self._count.spec_running += 1
+            try:
+                ev, passes = self._speculate(job)
+            except Exception as e:  # a device failure ends this request; the lane goes on
+                self.last_error = e
+                logging.getLogger(__name__).error("the self-speculative program failed: %r", e)
+                ev, passes = Event((), "error", 0, job.queued_s), 0
+            with self._lock:
+                c = self._count
+                c.spec_running -= 1
+                c.finished += 1
+                c.tokens += len(ev.tokens)
+                c.program_passes += passes
+                c.row_passes += passes
+                self._by_id.pop(job.rid, None)
+            _deliver(job, ev._replace(finish_reason="cancelled") if job.cancelled else ev)
+
+    def _speculate(self, job: _Job) -> tuple[Event, int]:
+        req, bl = job.req, self.block_length
+        width = next(w for w in self.widths if w >= len(req.prompt))
+        batch = speculative.inputs(self.cfg, req.prompt, width, self.spec_columns, req.max_tokens, bl)
+        out = self._spec[width](self.weights, batch.prompt, batch.lengths, batch.start,
+                                knobs(job.settings, self.cfg))
+        return speculative.event(self.cfg, jax.device_get(out), req.max_tokens, job.queued_s)
 
     def _n_running(self) -> int:
         """Rows in use: running requests are kept in slots [0, n)."""

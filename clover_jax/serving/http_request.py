@@ -9,7 +9,7 @@ nothing is clipped), temperature (default 0 = greedy), top_p, stop (a string or 
 (1..`Limits.max_n` choices, each served by its own engine row and queue place, seeds seed, seed+1, ...;
 without a seed: random ones when temperature > 0, else 0; more than max_n is a 400 naming the limit),
 stream (+ stream_options.include_usage), and the extension object
-`"diffusion": {"steps", "block_length", "threshold", "remasking", "cache", "top_k"}`. Unknown
+`"diffusion": {"steps", "block_length", "threshold", "remasking", "cache", "top_k", "self_speculative"}`. Unknown
 top-level fields are ignored (OpenAI clients send extras); a known field of the wrong type, an
 unknown `diffusion` field, or a setting the engine refuses is a 400 naming it. /v1/chat/completions
 takes at most `Limits.max_messages` messages (`clover_jax.serving.chat` reads them, and
@@ -381,7 +381,7 @@ def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: 
         raise ApiError(400, str(e)) from None
     base = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
     base.check(engine.block_length, getattr(engine, "cache", "auto"), engine.cfg.vocab_size, engine.max_prompt,
-               engine.max_tokens, REQUEST_NAMES, given)
+               engine.max_tokens, REQUEST_NAMES, given, getattr(engine, "self_speculative", False))
     seeds, stops = _seeds(values.get("seed"), n, sampling.temperature), _stops(body)
     return Job(tuple(dataclasses.replace(base, sampling=sampling.replace(seed=s)) for s in seeds), stops, stream,
                include_usage, tools if tools is not None and tools.parses else None, thinking if chat else None)

@@ -61,11 +61,12 @@ class Request:
                                      cache="auto", block_grid="auto")
 
     def check(self, block_length: int, cache: str, vocab_size: int, max_prompt: int, max_tokens: int,
-              spell: Mapping[str, str] | None = None, given: Collection[str] = ()) -> None:
+              spell: Mapping[str, str] | None = None, given: Collection[str] = (), speculative: bool = False) -> None:
         """Raise BadRequest naming the first problem (cheap, before the request is queued); settings are named as
         `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `settings.SERVER_FIXED` must be
         left at its default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows),
-        which must be the engine's even when they equal the default."""
+        which must be the engine's even when they equal the default. `speculative`: the engine serves
+        self-speculative requests (`Engine.self_speculative`)."""
         name = (lambda n: (spell or {}).get(n, n))
 
         def need(ok: bool, msg: str, param: str | None = None) -> None:
@@ -88,8 +89,11 @@ class Request:
         allowed = cache_choices(cache)
         need(s.cache in allowed, f"{name('cache')} must be {' or '.join(map(repr, allowed))} (this server's cache "
              f"mode is fixed at start), got {s.cache!r}", name("cache"))
+        need(not s.self_speculative or speculative,
+             f"{name('self_speculative')} needs a server started with --self-speculative (this one is not)",
+             name("self_speculative"))
         for key in SERVER_FIXED:
-            if key not in ("block_length", "cache"):
+            if key not in ("block_length", "cache", "self_speculative"):
                 need(getattr(s, key) == SETTINGS[key].default,
                      f"{name(key)} is not a per-request setting of this server", name(key))
         try:
