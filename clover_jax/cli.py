@@ -53,6 +53,9 @@ def _with_suggestion(message: str) -> str:
     return message
 
 
+_GLOBAL_SWITCHES = {"--verbose", "--debug"}  # `clover`'s own switches, also taken after the command
+
+
 def build_parser() -> Parser:
     """The `clover` parser with every subcommand."""
     parser = Parser(prog="clover", description="Clover-JAX: masked-diffusion MoE language models in JAX.")
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run `clover ARGV`; returns the exit code."""
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
+    for flag in _GLOBAL_SWITCHES.intersection(extras):  # `clover generate --verbose ...` means `clover --verbose ...`
+        setattr(args, flag.removeprefix("--"), True)
+        extras = [x for x in extras if x != flag]
     if extras:
         sub = _subparser(parser, getattr(args, "command", None))
         (sub or parser).unknown_flags(extras)

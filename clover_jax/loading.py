@@ -16,7 +16,7 @@ import jax
 from clover_jax import shipped
 from clover_jax.checkpoint import load_checkpoint_config, load_model
 from clover_jax.config import ModelConfig, get_config, preset_names
-from clover_jax.errors import CloverError, UsageError
+from clover_jax.errors import CloverError, TokenizerError, UsageError
 from clover_jax.mesh.layouts import mesh_from_arg
 from clover_jax.mesh.rules import MeshRules
 from clover_jax.model import params, quant
@@ -86,6 +86,13 @@ def _open(model: str, mesh_name: str | None, say: Callable[[str], None]) -> Open
         return OpenModel(cfg, _RANDOM_WEIGHTS[key], ByteTokenizer(), mesh)
     tok = load_tokenizer(model)  # a damaged tokenizer or chat template is one line before the weights are read
     if isinstance(tok, ByteTokenizer):
+        missing = f"{model} has no tokenizer (tokenizer.json or tokenizer.model)"
+        if os.path.exists(os.path.join(model, "hf_source.json")):  # converted: its source had one
+            raise TokenizerError(f"{missing}, though it was converted from a HuggingFace checkpoint: copy the source's "
+                                 "tokenizer files beside its config.json, or convert it again")
+        if cfg.vocab_size < tok.vocab_size:
+            raise TokenizerError(f"{missing}, and its vocab_size {cfg.vocab_size} is too small for the byte tokenizer "
+                                 f"({tok.vocab_size} ids): copy the model's tokenizer files beside its config.json")
         say(f"warning: {model} has no tokenizer (tokenizer.json or tokenizer.model): using the byte tokenizer (ids "
             "are raw UTF-8 bytes, which only suits a model trained on them; copy the model's tokenizer files beside "
             "its config.json)")

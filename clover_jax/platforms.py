@@ -33,14 +33,15 @@ def tpu_chips() -> int:
 
 
 def choose() -> str | None:
-    """Set JAX's platforms to the backends this host has, when libtpu is installed but no TPU chip is attached
-    (CUDA when a CUDA plugin and an NVIDIA device are present, and the CPU); returns the platforms set, or None
-    when it left them to JAX. Call it before any JAX backend starts."""
+    """Set JAX's platforms to the backends this host has, when libtpu is installed (or `TPU_LIBRARY_PATH` names
+    one) but no TPU chip is attached (CUDA when a CUDA plugin and an NVIDIA device are present, and the CPU);
+    returns the platforms set, or None when it left them to JAX. Call it before any JAX backend starts."""
     import jax
 
     if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
         return None
-    if importlib.util.find_spec("libtpu") is None or tpu_chips():
+    libtpu = importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
+    if not libtpu or tpu_chips():
         return None
     gpu = any(importlib.util.find_spec(m) is not None for m in _CUDA_PLUGINS) and any(
         os.path.exists(d) for d in _NVIDIA_DEVICES)
