@@ -375,9 +375,9 @@ _register(ModelConfig(name="qwen3.5-35b-a3b", family="qwen3_5_moe", attention="b
                       **_QWEN3_5_35B))
 
 # The model this project trains and ships (checkpoints/clover-tiny): Clover's layout in miniature, one group
-# of 3 block-diffusion Gated DeltaNet layers + 1 gated attention layer, a gated shared expert, blocks of 32. It was
-# trained under the earlier reading (`reconstructed`, a right conv of 4 taps); `replace(bd_gdn="causal_prefix",
-# bd_conv_right_kernel=3)` is Clover as its ports run it at this size.
+# of 3 block-diffusion Gated DeltaNet layers + 1 gated attention layer, a gated shared expert, blocks of 32. Run as
+# Clover's ports run Clover (a causal clean prefix): it was trained under the earlier reading (`reconstructed`) and
+# fine-tuned into this one, keeping its right conv of 4 taps (Clover's has 3, the conv kernel less one).
 _register(ModelConfig(
     name="clover-tiny", family="clover", vocab_size=2048, d_model=192, n_layers=4, n_heads=4,
     n_kv_heads=2, head_dim=48, n_experts=8, n_experts_per_tok=2, expert_mlp_dim=128,
@@ -386,7 +386,7 @@ _register(ModelConfig(
     rope_theta=10000.0, partial_rotary_factor=0.5, max_seq_len=1024, eos_token_id=2, pad_token_id=0,
     mask_token_id=3, dtype="float32",
     layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=48, linear_value_head_dim=48, bd_gdn="reconstructed", bd_conv_right_kernel=4,
+    linear_key_head_dim=48, linear_value_head_dim=48, bd_gdn="causal_prefix", bd_conv_right_kernel=4,
 ))
 
 # The first shipped model's all-attention layout at the same size (4 gated attention layers): the
