@@ -3,7 +3,12 @@
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools   # later: resumes
 
-The shipped `checkpoints/clover-tiny-tools` is this run's checkpoint of step 5,700 (about 3.5 h on two cores).
+The shipped `checkpoints/clover-tiny-tools` is this run's checkpoint of step 5,700 (about 3.5 h on two cores),
+fine-tuned again into the reading Clover's ports run (a causal clean prefix) with
+
+    python scripts/train_tool_model.py --run runs/tools-cp --export runs/clover-tiny-tools-cp \
+        --base checkpoints/clover-tiny-tools --bd-gdn causal_prefix --causal-coef 1 --no-lift \
+        --lr 5e-4 --warmup 20 --schedule 600 --score-every 100
 
 The toy task and its recipe are the repository's example `examples/toy_agent`. Block-diffusion SFT
 (`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's training questions,
@@ -20,6 +25,7 @@ both orders.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
     p.add_argument("--name", default="clover-tiny-tools", help="the exported model's name")
     p.add_argument("--force", action="store_true", help="let a new run replace an existing --export")
+    p.add_argument("--base", default=None, help="the checkpoint to start from (default: the shipped clover-tiny)")
+    p.add_argument("--bd-gdn", choices=("reconstructed", "causal_prefix"), default=None,
+                   help="read the base's block-diffusion tensors this way (default: as the base says)")
+    p.add_argument("--causal-coef", type=float, default=0.0,
+                   help="weight of the clean half's next-token loss (a causal-prefix reading; default 0)")
+    p.add_argument("--no-lift", action="store_true",
+                   help="leave the digits' embeddings as the base has them (a base already tuned on the task)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: the recipe's)")
+    p.add_argument("--schedule", type=int, default=None, help="the cosine schedule's steps (default: the recipe's)")
     args = p.parse_args(argv)
     scores_path = os.path.join(args.run, "scores.jsonl")
     if os.path.exists(args.export) and not os.path.exists(scores_path) and not args.force:
@@ -54,9 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     from examples import toy_agent
 
     recipe = toy_agent.Recipe()
+    changes = {"lr": args.lr, "warmup_steps": args.warmup, "steps": args.schedule}
+    recipe = dataclasses.replace(recipe, causal_coef=args.causal_coef, lift_digits=not args.no_lift,
+                                 **{k: v for k, v in changes.items() if v is not None})
     last = args.steps or recipe.steps
-    model_dir = str(shipped.MODEL_DIR)
+    model_dir = args.base or str(shipped.MODEL_DIR)
     cfg, base = clover_jax.load_model(model_dir)
+    if args.bd_gdn is not None:
+        cfg = cfg.replace(bd_gdn=args.bd_gdn)  # the same tensors, read another way
     out_cfg = cfg.replace(name=args.name)  # the exported checkpoint's name (what `clover serve` reports)
     tok = load_tokenizer(model_dir)
     train, held = toy_agent.split(args.train_questions, args.held_out, args.seed)

@@ -44,12 +44,13 @@ class Recipe:
     warmup_steps: int = 50
     noise_eps: float = 0.3
     lift_digits: bool = True  # start from `lift_digit_embeddings` (the shipped model's digits never trained)
+    causal_coef: float = 0.0  # a causal-prefix model: the clean half's next-token loss too (`TrainConfig`)
 
     def train_config(self, seed: int = 0, ckpt_every: int = 200) -> TrainConfig:
         """The `TrainConfig` of this recipe."""
         return TrainConfig(steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len, lr=self.lr,
                            warmup_steps=self.warmup_steps, noise_eps=self.noise_eps, seed=seed, dispatch="tiled",
-                           log_every=10**9, eval_every=10**9, ckpt_every=ckpt_every)
+                           log_every=10**9, eval_every=10**9, ckpt_every=ckpt_every, causal_coef=self.causal_coef)
 
 
 def lift_digit_embeddings(weights: Weights, tokenizer: Tokenizer) -> Weights:
