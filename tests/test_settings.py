@@ -242,8 +242,8 @@ def test_every_request_field_lands_on_its_setting():
     sampling = parse_job(body, engine, (5, 6), False).requests[0].sampling
     assert {k: getattr(sampling, k) for k in values} == values
     spec = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {"self_speculative": True}}
-    with pytest.raises(BadRequest, match="diffusion.self_speculative needs a server started with "
-                                         "--self-speculative"):
+    with pytest.raises(BadRequest, match=r"diffusion\.self_speculative needs a server started with "
+                                         r"--self-speculative"):
         parse_job(spec, engine, (5, 6), False)
     engine.self_speculative = True
     assert parse_job(spec, engine, (5, 6), False).requests[0].sampling.self_speculative is True

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from clover_jax import checkpoint
 from clover_jax.checkpoint import LazyLeaf, WeightReader
@@ -46,6 +45,7 @@ from clover_jax.convert.quantize import DequantizedReader, check_scheme, quantiz
 from clover_jax.convert.survey import FAMILIES
 from clover_jax.errors import ConversionError
 from clover_jax.model import quant
+from clover_jax.progress import progress_bar
 from clover_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 SOURCE_FILE = "hf_source.json"  # native side: the HF config and dtypes an import came from
@@ -100,8 +100,7 @@ def _quantize_scheme(quantize: str | None, dequantize: bool) -> str | None:
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                disable=not enabled, mininterval=0.5, dynamic_ncols=True)
+    return progress_bar(total, desc, "clover convert", enabled=enabled, mininterval=0.5)
 
 
 class _Lazy(Sequence):

@@ -431,7 +431,7 @@ def train(
         log(f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step"))
 
     bar = None
-    if progress:
+    if progress and sys.stderr.isatty():  # elsewhere the log lines (`log_every`) are the progress
         bar = tqdm(total=tc.steps, initial=first, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     step = first
     if first < last:
