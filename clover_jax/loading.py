@@ -90,9 +90,6 @@ def _open(model: str, mesh_name: str | None, say: Callable[[str], None]) -> Open
         if os.path.exists(os.path.join(model, "hf_source.json")):  # converted: its source had one
             raise TokenizerError(f"{missing}, though it was converted from a HuggingFace checkpoint: copy the source's "
                                  "tokenizer files beside its config.json, or convert it again")
-        if cfg.vocab_size < tok.vocab_size:
-            raise TokenizerError(f"{missing}, and its vocab_size {cfg.vocab_size} is too small for the byte tokenizer "
-                                 f"({tok.vocab_size} ids): copy the model's tokenizer files beside its config.json")
         say(f"warning: {model} has no tokenizer (tokenizer.json or tokenizer.model): using the byte tokenizer (ids "
             "are raw UTF-8 bytes, which only suits a model trained on them; copy the model's tokenizer files beside "
             "its config.json)")

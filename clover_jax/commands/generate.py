@@ -6,13 +6,15 @@
 Batch jobs read one JSON object per line ({"prompt": "...", "id": optional}) and append one line per
 prompt to the output, flushed and fsynced after every batch. Run the same command again after a
 crash and it skips the ids already written (a torn last line is dropped first), so no row is lost
-and none is written twice.
+and none is written twice. OUT.settings.json beside the output records the model and the settings that change the
+tokens; a run with others is refused (--force starts the output over).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -59,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="MoE dispatch (tiled, dense, ragged, ep_gather, ...; default: the model's, or the "
                         "expert-parallel one for --mesh)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per compiled batch in --input jobs")
+    p.add_argument("--force", action="store_true",
+                   help="--input jobs: start --output over (its rows are discarded), e.g. after changing a setting")
     p.add_argument("--show", action="store_true", help="redraw the canvas on stderr as it fills in")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt as is")
     p.add_argument("--no-think", action="store_true",
@@ -169,6 +173,22 @@ def _say_where(spell: Mapping[str, str], from_file: set[str], stored_file: str) 
         raise
 
 
+# How fingerprint keys are set on the command line, for the message naming what differs.
+FINGERPRINT_LABELS: dict[str, str] = {
+    **sampler_settings.FLAGS, "eos_stop": "EOS stop (--no-eos-stop)", "model": "--model", "bd_gdn": "--bd-gdn",
+    "chat_template": "the chat template (--no-chat-template)", "think": "thinking (--no-think)"}
+
+
+def fingerprint(model: str, args: argparse.Namespace, sc: SamplerConfig) -> dict[str, Any]:
+    """What a --input job's rows depend on: the model (a checkpoint directory's real path, or a preset's name) and
+    every setting that changes the tokens (all the sampler's, as resolved with the checkpoint's
+    generation_config.json; --bd-gdn, null for the checkpoint's own; the chat template; thinking). The mesh, the
+    MoE dispatch and the batch size are left out: they change how the same tokens are computed, not which."""
+    where = os.path.realpath(model) if os.path.isdir(model) else model
+    return {"model": where, "bd_gdn": args.bd_gdn, "chat_template": not args.no_chat_template,
+            "think": not args.no_think, **dataclasses.asdict(sc)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Check every flag and prompt, load the model, then generate (one prompt, or a --input job)."""
     if (args.prompt is None) == (args.input is None):
@@ -202,19 +222,24 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--dispatch: {e}") from e
     todo_jobs = jobs.read_jobs(args.input) if args.input else [(0, args.prompt)]
+    job_settings = fingerprint(model, args, sc) if args.input else None
+    if args.input:  # rows made under other settings are never appended to: refused before the model loads
+        jobs.check_settings(args.output, job_settings, FINGERPRINT_LABELS, args.force)
     cfg, weights, tok, mesh = loading.open_model(model, args.mesh, _note)
     if args.bd_gdn is not None and args.bd_gdn != cfg.bd_gdn:
         if not cfg.has_bd_weights:
             raise UsageError(f"--bd-gdn: {cfg.name} has no block-diffusion Gated DeltaNet tensors")
         cfg = cfg.replace(bd_gdn=args.bd_gdn)
     chat = not args.no_chat_template
-    done = jobs.finished_ids(args.output) if args.output else set()
+    done = jobs.finished_ids(args.output) if args.output and not args.force else set()  # --force: none kept
     todo = [(rid, text) for rid, text in todo_jobs if rid not in done]
     think = False if args.no_think else None
     encoded = [(rid, text, encode(tok, text, chat, think)) for rid, text in todo]
     for rid, _, ids in encoded:
         with checked():
             check_prompts(cfg, sc, [ids], spell, labels=[f"prompt {rid!r}" if args.input else "the prompt"])
+    if args.input:  # every check passed: (with --force, empty the output and) record the settings
+        jobs.record_settings(args.output, job_settings, args.force)
     if args.input and done:
         print(f"clover generate: {len(done)} rows already in {args.output}, {len(todo)} to go", file=sys.stderr)
     if args.input:

@@ -4,6 +4,10 @@ Input: one JSON object per line, {"prompt": "...", "id": optional}. Output: one 
 appended, flushed and fsynced after every batch. A second run of the same job skips the ids already
 in the output (a torn last line, from a kill mid-write, is cut off first), so no row is lost and none
 is written twice.
+
+Settings: next to the output, OUTPUT.settings.json records what the rows were made with (the model and every
+setting that changes the tokens, `fingerprint` in clover_jax/commands/generate.py). A run that would append to rows
+made under another record is refused, naming what differs; `--force` starts the output over.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 from tqdm import tqdm
 
 from clover_jax.errors import UsageError
-from clover_jax.jsonfile import read_lines
+from clover_jax.jsonfile import read_lines, read_object
+
+SETTINGS_SUFFIX = ".settings.json"
 
 
 def read_jobs(path: str) -> list[tuple[Any, str]]:
@@ -92,3 +98,74 @@ def run_batches(jobs: Sequence[Any], batch_size: int, output: str,
                 done = min(start + batch_size, len(jobs))
                 print(f"clover generate: {done}/{len(jobs)} prompts done, written to {output}", file=sys.stderr,
                       flush=True)
+
+
+def settings_path(output: str) -> str:
+    """Where the settings record of the job writing `output` lives: beside it, OUTPUT.settings.json."""
+    return output + SETTINGS_SUFFIX
+
+
+def _has_rows(output: str) -> bool:
+    return os.path.exists(output) and os.path.getsize(output) > 0
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    return "(none)" if value is _MISSING else json.dumps(value, ensure_ascii=False)
+
+
+def settings_changes(recorded: dict[str, Any], fingerprint: dict[str, Any], labels: dict[str, str]) -> list[str]:
+    """What differs between a recorded fingerprint and this run's, one "LABEL OLD -> NEW" each, in the order of
+    `fingerprint` (then keys only the record has); `labels` spells a key as the user sets it (a flag)."""
+    keys = [*fingerprint, *(k for k in recorded if k not in fingerprint)]
+    return [f"{labels.get(k, k)} {_shown(recorded.get(k, _MISSING))} -> {_shown(fingerprint.get(k, _MISSING))}"
+            for k in keys if recorded.get(k, _MISSING) != fingerprint.get(k, _MISSING)]
+
+
+def check_settings(output: str, fingerprint: dict[str, Any], labels: dict[str, str], force: bool) -> None:
+    """UsageError (one line, before any work) when `output` holds rows made under another fingerprint than this
+    run's: it names what differs and says to pass --force or use another --output. Nothing to check with
+    `force` (the output starts over), without rows, or without a record (an output written before records were
+    kept: `record_settings` says so)."""
+    if force or not _has_rows(output):
+        return
+    side = settings_path(output)
+    if not os.path.exists(side):
+        return
+    try:
+        recorded = read_object(side, UsageError)
+    except UsageError as e:
+        raise UsageError(f"{e}; cannot tell which settings made the rows in --output {output!r}: pass --force to "
+                         "start over, or use another --output") from None
+    changed = settings_changes(recorded, fingerprint, labels)
+    if changed:
+        raise UsageError(f"--output {output!r} holds rows made with other settings ({'; '.join(changed)}; "
+                         f"recorded in {side}): pass --force to start over (its rows are discarded), or use another "
+                         "--output")
+
+
+def record_settings(output: str, fingerprint: dict[str, Any], force: bool) -> None:
+    """Before the first row is appended: with `force` empty `output` (its rows discarded), then write this run's
+    fingerprint to its settings record (atomically) unless the output's rows already carry that record. The output
+    is emptied first, so a crash between the two never leaves old rows beside a new record."""
+    side = settings_path(output)
+    if force and _has_rows(output):
+        with open(output, "r+b") as f:
+            f.truncate(0)
+            f.flush()
+            os.fsync(f.fileno())
+        print(f"clover generate: --force: starting {output} over (its rows were discarded)", file=sys.stderr)
+    if _has_rows(output):
+        if os.path.exists(side):
+            return  # the same settings: check_settings compared them
+        print(f"clover generate: {output} has no record of the settings its rows were made with (written before "
+              f"records were kept): resuming, and recording this run's in {side}", file=sys.stderr)
+    tmp = f"{side}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(fingerprint, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, side)
