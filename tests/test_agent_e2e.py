@@ -133,26 +133,34 @@ def test_the_recipe_lifts_the_untrained_digit_embeddings():
     np.testing.assert_array_equal(after[others], before[others])
 
 
-def test_fine_tuning_on_the_task_lowers_its_loss():
+def test_fine_tuning_on_the_task_lowers_its_loss(tmp_path):
     """`toy_agent.finetune` (the recipe's step) from the shipped model: 12 steps of 4 rows take the block-diffusion
-    loss on the task's own rows far below the shipped model's (which has never seen a tool call)."""
+    loss on the task far below the shipped model's (which has never seen a tool call), on the rows it was tuned on
+    and as much on held-out questions it never saw (the task learned, not the rows; measured: 16.9 -> 1.55 on the
+    tuned rows, 16.9 -> 1.59 held out)."""
+    import json
+
     from clover_jax.training import PairDataset, evaluate
 
     model_dir = str(shipped.MODEL_DIR)
     cfg, base = clover_jax.load_model(model_dir)
     tok = load_tokenizer(model_dir)
-    train = toy_agent.split(N_TRAIN, N_HELD, seed=0)[0]
+    train, held = toy_agent.split(N_TRAIN, N_HELD, seed=0)
+    assert not {t.question for t in held} & {t.question for t in train}
     recipe = toy_agent.Recipe(steps=12, batch_size=4, warmup_steps=5, lr=3e-3)
     tuned = toy_agent.finetune(cfg, base, tok, train[:60], recipe)
-    import json
-    import tempfile
 
-    path = Path(tempfile.mkdtemp()) / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in toy_agent.sft_rows(train[:16])))
-    batch = PairDataset(str(path), tok.encode, recipe.seq_len, cfg.eos_token_id, cfg.filler_id, seed=0).eval_batches(16)
-    before, after = evaluate(base, cfg, batch)["eval_loss"], evaluate(tuned, cfg, batch)["eval_loss"]
-    print(f"task loss: shipped {before:.3f}, after 12 steps {after:.3f}")
-    assert after < 0.5 * before, (before, after)
+    def losses(tasks, name: str) -> tuple[float, float]:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in toy_agent.sft_rows(tasks)))
+        batch = PairDataset(str(path), tok.encode, recipe.seq_len, cfg.eos_token_id, cfg.filler_id,
+                            seed=0).eval_batches(16)
+        return evaluate(base, cfg, batch)["eval_loss"], evaluate(tuned, cfg, batch)["eval_loss"]
+
+    seen, unseen = losses(train[:16], "tuned"), losses(held, "held")
+    print(f"task loss: shipped {seen[0]:.3f} / {unseen[0]:.3f}, after 12 steps {seen[1]:.3f} / {unseen[1]:.3f}")
+    assert seen[1] < 0.5 * seen[0], seen
+    assert unseen[1] < 0.5 * unseen[0], unseen
 
 
 def test_on_chunk_needs_a_stream():

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from clover_jax import checkpoint, model
 from clover_jax.cli import main
@@ -23,6 +24,7 @@ from clover_jax.convert import FAMILIES, ConversionError, convert, published
 from clover_jax.model import params
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+REF = Path(__file__).parent / "fixtures" / "reference"
 PRESETS = {"clover": "test-clover", "llada2_moe": "test-llada2", "llada_moe": "test-llada-moe",
            "qwen3_moe": "test-qwen3-moe", "qwen3_5_moe": "test-qwen3-5-moe"}
 
@@ -204,8 +206,37 @@ def test_llada2_public_layout_converts_and_runs(tmp_path):
     np.testing.assert_array_equal(np.asarray(w.moe_layers.mlp.expert_bias[0]),
                                   tensors["model.layers.1.mlp.gate.expert_bias"])
     tokens = jax.numpy.asarray(rng.integers(0, 250, (2, 16)), jax.numpy.int32)
-    logits = model.apply(w, cfg2, tokens)
-    assert logits.shape == (2, 16, cfg.vocab_size) and bool(jax.numpy.isfinite(logits).all())
+    assert model.apply(w, cfg2, tokens).shape == (2, 16, cfg.vocab_size)
+
+    # The logits against LLaDA2's own modeling file: tests/fixtures/reference/llada2_tiny (public keys; its
+    # logits recorded by make_fixtures.py there) written as the public checkpoints ship (bfloat16, the expert_bias
+    # buffer float32, 3 files) converts through the same command to bfloat16(the float32 conversion's weights),
+    # bit for bit; those, run in float32, give the recorded logits within 1e-4.
+    ref = REF / "llada2_tiny"
+    src = load_file(str(ref / "model.safetensors"))
+    public = {k: a if k.endswith("expert_bias") else a.astype(BF16) for k, a in src.items()}
+    write_hf(tmp_path / "tiny", public, json.loads((ref / "config.json").read_text()) | {"torch_dtype": "bfloat16"},
+             n_files=3)
+    assert main(["convert", str(tmp_path / "tiny"), str(tmp_path / "tiny-n"), "--no-progress",
+                 "--mask-token-id", "250"]) == 0
+    convert(str(ref), str(tmp_path / "tiny-f32"), progress=False, mask_token_id=250)
+    tiny_cfg, tiny_w = checkpoint.load_model(str(tmp_path / "tiny-n"))
+    f32_cfg, f32_w = checkpoint.load_model(str(tmp_path / "tiny-f32"))
+    assert tiny_cfg.dtype == "bfloat16" and f32_cfg.dtype == "float32"
+    assert sorted(src) == sorted(_llada2_public_keys(f32_cfg))  # the public layout, as the checkpoint above
+    flat32 = checkpoint.flatten_weights(f32_w)
+    for name, a in checkpoint.flatten_weights(tiny_w).items():
+        want = np.asarray(flat32[name])
+        np.testing.assert_array_equal(np.asarray(a), want if name.endswith("expert_bias") else want.astype(BF16),
+                                      err_msg=name)
+    info = json.loads((REF / "fixtures.json").read_text())["scenarios"]["llada2.npz"]["llada2_tiny_block"]
+    ids = jnp.asarray([info["input_ids"]], jnp.int32)
+    blocks = np.arange(ids.shape[1]) // info["block"]
+    mask = jnp.asarray((blocks[None, :] <= blocks[:, None])[None])  # the reference's block-causal mask
+    got = model.forward(f32_w, f32_cfg, ids, jnp.arange(ids.shape[1])[None], mask, dispatch="dense").logits
+    want = np.load(REF / "llada2.npz")["llada2_tiny_block/logits"]
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
 
 
 def test_qwen3_moe_matches_transformers(tmp_path):
@@ -427,8 +458,8 @@ def test_clover_moe_hybrid_layout_converts_runs_and_exports_bit_exact(tmp_path, 
     scale = np.asarray(w.linear_layers.attn.bd_logit_scale[0])  # one per value head, repeated over groups
     src_scale = tensors[f"{la}.bd_softmax_logit_scale"].reshape(-1)
     np.testing.assert_array_equal(scale, np.repeat(src_scale, 4 // src_scale.size))
-    logits = model.apply(w, cfg2, np.arange(12, dtype=np.int32)[None] + 5)
-    assert logits.shape == (1, 12, cfg.vocab_size) and bool(np.isfinite(np.asarray(logits)).all())
+    tokens = np.arange(12, dtype=np.int32)[None] + 5
+    assert model.apply(w, cfg2, tokens).shape == (1, 12, cfg.vocab_size)
 
     convert(str(tmp_path / "native"), str(tmp_path / "back"), progress=False)
     back = read_dir(tmp_path / "back")
@@ -437,6 +468,42 @@ def test_clover_moe_hybrid_layout_converts_runs_and_exports_bit_exact(tmp_path, 
         assert back[k].dtype == a.dtype and back[k].shape == a.shape, k
         np.testing.assert_array_equal(back[k].reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8), err_msg=k)
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == hf_cfg
+
+    # Clean text runs the causal Qwen3.5 model (bd_gdn causal_prefix, as its ports run it): the logits are
+    # transformers' Qwen3_5MoeForCausalLM's on the source tensors, the block-diffusion ones dropped (computed in
+    # float32 on both sides: bfloat16 arithmetic alone moves these logits by 21% of their norm). Measured: 2e-6 apart.
+    torch = pytest.importorskip("torch", reason="the reference logits need torch (pip install '.[torch]')")
+    tr = pytest.importorskip("transformers", reason="the reference logits need transformers (pip install '.[torch]')")
+    w32 = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, w)
+    got = np.asarray(model.apply(w32, cfg2.replace(dtype="float32"), tokens))
+    want = _qwen3_5_logits(tr, torch, cfg, hf_cfg, tensors, prefix, tokens)
+    assert want.std() > 0.5  # spread out: a misplaced tensor would move them far more than 1e-4
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def _qwen3_5_logits(tr, torch, cfg, hf_cfg: dict, tensors: dict, prefix: str, tokens: np.ndarray) -> np.ndarray:
+    """transformers' Qwen3_5MoeForCausalLM (float32) on a clover_moe checkpoint's tensors minus the four
+    block-diffusion ones: the keys without `prefix`, the experts stacked as transformers stores them."""
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings",
+              "rms_norm_eps", "tie_word_embeddings", "eos_token_id", "pad_token_id", "rope_parameters", "hidden_act",
+              "attention_bias", "layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size", "norm_topk_prob")
+    ref = tr.Qwen3_5MoeForCausalLM(tr.Qwen3_5MoeTextConfig(**{k: hf_cfg[k] for k in fields})).float().eval()
+    sd = {}
+    for k, a in tensors.items():
+        if ".conv_right_weight" in k or ".bd_softmax_" in k:
+            continue
+        k = k.removeprefix(prefix)
+        sd[k if k == "lm_head.weight" else f"model.{k}"] = torch.from_numpy(a.astype(np.float32))
+    for i in range(cfg.n_layers):
+        e, experts = f"model.layers.{i}.mlp.experts.", range(cfg.n_experts)
+        sd[e + "gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{e}{j}.gate_proj.weight"),
+                                                         sd.pop(f"{e}{j}.up_proj.weight")]) for j in experts])
+        sd[e + "down_proj"] = torch.stack([sd.pop(f"{e}{j}.down_proj.weight") for j in experts])
+    ref.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        return ref(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
 def test_clover_moe_unexpected_tensor_and_missing_block_size_are_named(tmp_path):

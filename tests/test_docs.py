@@ -311,6 +311,7 @@ def test_runnable_blocks_are_there():
     assert any(c.startswith("clover info") for c in commands)
     assert any(c.startswith("clover generate") for c in commands)
     assert any(c.startswith("clover convert --check tests/fixtures/") for c in commands)
+    assert any("clover generate" in c and "--mesh" in c for c in commands)  # compared with one device there
 
 
 @pytest.mark.parametrize(("where", "argv"), RUNNABLE, ids=[" ".join(a) for _, a in RUNNABLE])
@@ -325,6 +326,15 @@ def test_runnable_block(where: str, argv: list[str]):
                        text=True, timeout=600)
     assert r.returncode == 0, f"{where}: {' '.join(argv)} exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     assert r.stdout.strip(), f"{where}: {' '.join(argv)} printed nothing"
+    if argv[:2] == ["clover", "generate"] and "--mesh" in argv:
+        # A sharded generation (greedy: no --temperature) gives the text the same command gives on one device
+        # (the same environment, so the same XLA flags: only --mesh differs).
+        i = argv.index("--mesh")
+        assert "--temperature" not in argv
+        one = subprocess.run([sys.executable, "-m", "clover_jax", *argv[1:i], *argv[i + 2:]], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert one.returncode == 0, one.stderr[-4000:]
+        assert r.stdout == one.stdout, f"{where}: --mesh gave {r.stdout!r}, one device {one.stdout!r}"
 
 
 def _marked_blocks() -> list[tuple[str, str, str, str]]:

@@ -12,13 +12,16 @@ import json
 from functools import cache
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from clover_jax import checkpoint
 from clover_jax.convert import convert
-from clover_jax.evaluation import EvaluationError, estimate, llada_draws
+from clover_jax.evaluation import EvaluationError, estimate, likelihood, llada_draws
 from clover_jax.evaluation.likelihood import seq_bucket
+from clover_jax.model import masks
+from clover_jax.model.transformer import forward
 
 HERE = Path(__file__).parent / "fixtures"
 INFO = json.loads((HERE / "eval_reference" / "llada_loglik.json").read_text())
@@ -49,10 +52,23 @@ def scenario(name: str) -> tuple[dict, list[int], list[int], np.ndarray]:
 def test_same_draws_same_value_as_llada(model, name):
     cfg, w = model
     s, prompt, answer, draws = scenario(name)
-    est = estimate(w, cfg, prompt, answer, batch_size=s["batch_size"], cfg_scale=s["cfg_scale"], draws=draws)
+    rows = []  # the per-sample losses of each compiled pass, as `estimate` computed them
+    real = likelihood.sample_losses
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        rows.append(np.asarray(out[0], np.float64))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(likelihood, "sample_losses", recording)
+        est = estimate(w, cfg, prompt, answer, batch_size=s["batch_size"], cfg_scale=s["cfg_scale"], draws=draws)
     assert est.samples == s["mc_num"]
     assert abs(est.mean - s["value"]) < 1e-4 * max(1.0, abs(s["value"]) / 100)
     want = DATA[f"{name}_losses"].astype(np.float64)
+    # Sample by sample the losses LLaDA's algorithm recorded on the same draws (float32 on both sides: measured
+    # at most 6.4e-7 relative; the losses are 38..225 nats).
+    np.testing.assert_allclose(np.concatenate(rows), want, rtol=1e-5, atol=0)
     assert abs(est.stderr - want.std(ddof=1) / np.sqrt(len(want))) < 1e-4
 
 
@@ -85,8 +101,20 @@ def test_padding_and_seed(model):
     a = estimate(w, cfg, prompt, answer, batch_size=8, draws=draws)
     b = estimate(w, cfg, prompt, answer, batch_size=8, draws=draws, min_len=64)  # left padding changes nothing
     assert abs(a.mean - b.mean) < 1e-4
+    # seed=3 means LLaDA's draws from default_rng(3); a different seed draws differently
     c = estimate(w, cfg, prompt, answer, mc_num=16, batch_size=8, seed=3, check_greedy=True)
-    d = estimate(w, cfg, prompt, answer, mc_num=16, batch_size=8, seed=3)
-    assert c.mean == d.mean and isinstance(c.greedy, bool)
+    d = estimate(w, cfg, prompt, answer, batch_size=8, draws=llada_draws(np.random.default_rng(3), len(answer), 16, 8))
+    assert abs(c.mean - d.mean) < 1e-4 and abs(c.stderr - d.stderr) < 1e-4 and c.samples == 16
+    assert abs(estimate(w, cfg, prompt, answer, mc_num=16, batch_size=8, seed=4).mean - c.mean) > 1e-2
+    # greedy: the argmax fill of the fully masked answer, from one forward pass of the model here. A random answer
+    # is not it; the answer made of those argmaxes is (the fully masked input is the same for both answers).
+    seq = jnp.asarray([prompt + [cfg.mask_token_id] * len(answer)], jnp.int32)
+    valid = jnp.ones(seq.shape, bool)
+    logits = forward(w, cfg, seq, masks.positions(valid), masks.full_mask(cfg, valid), valid=valid).logits
+    fill = np.asarray(jnp.argmax(logits[0, len(prompt):], -1)).tolist()
+    assert fill != answer and c.greedy is False
+    assert estimate(w, cfg, prompt, fill, mc_num=8, batch_size=8, check_greedy=True).greedy is True
+    wrong = [*fill[:-1], (fill[-1] + 1) % cfg.vocab_size]
+    assert estimate(w, cfg, prompt, wrong, mc_num=8, batch_size=8, check_greedy=True).greedy is False
     with pytest.raises(EvaluationError, match="empty"):
         estimate(w, cfg, prompt, [], mc_num=8, batch_size=8)

@@ -91,6 +91,7 @@ class FakeEngine:
     delay: float = 0.0
     dispatch: Any = None
     mesh: Any = None
+    self_speculative: bool = False
     fail: Exception | None = None
     fail_after: int = 0
     fail_blocks: bool = False  # end every running request with finish_reason "error" (a device failure)

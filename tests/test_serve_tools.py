@@ -276,7 +276,18 @@ def test_parallel_calls_and_text_before():
               if line.startswith("data:") and "[DONE]" not in line]
     deltas = [e["choices"][0]["delta"] for e in events]
     assert "".join(d.get("content") or "" for d in deltas) == "Sure."
-    assert [tc["index"] for d in deltas for tc in d.get("tool_calls", [])] == [0, 1]
+    # the streamed pieces, reassembled by index as a client does, are the non-streamed calls: names and arguments
+    assembled: dict[int, dict[str, str]] = {}
+    for tc in (tc for d in deltas for tc in d.get("tool_calls", [])):
+        slot = assembled.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
+        slot["id"] += tc.get("id") or ""
+        slot["name"] += tc.get("function", {}).get("name") or ""
+        slot["arguments"] += tc.get("function", {}).get("arguments") or ""
+    assert list(assembled) == [0, 1]
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in out["message"]["tool_calls"]]
+    assert [(c["name"], json.loads(c["arguments"])) for c in assembled.values()] == whole
+    assert whole == [("add", {"a": 2, "b": 3}), ("add", {"a": 2, "b": 4})]
+    assert all(c["id"].startswith("call_") for c in assembled.values()) and assembled[0]["id"] != assembled[1]["id"]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 

@@ -190,6 +190,30 @@ def test_sft_training_runs_and_scores_only_responses(tmp_path) -> None:
     assert np.isfinite(res.losses).all() and np.mean(res.losses[-3:]) < np.mean(res.losses[:3])
     assert seen == list(zip(range(1, 9), res.losses, strict=True))  # on_step: every step, its own metrics
 
+    # Only responses are scored: one training step at t ~ 1 (every response token masked, the prompt clean) on a
+    # fixed batch reports the mean cross-entropy over the response tokens, computed here from one forward pass of
+    # the trained weights. Scoring the prompt too would give another figure (measured: 3.07 over the responses,
+    # 3.74 over every token, masked or not).
+    b = tr.batch(100, 8)
+    fixed = type("Fixed", (), {"batch": lambda self, index, n: b})()
+    t1 = TrainConfig(steps=1, batch_size=8, seq_len=16, noise_eps=1 - 1e-6, noise_max=1.0)
+    w = res.state.weights
+    step_loss = train(CFG, t1, fixed, progress=False, init_weights=jax.tree.map(jnp.copy, w),  # (donated)
+                      eval_at_end=False).losses[0]
+    tok, val, scored = jnp.asarray(b.tokens), jnp.asarray(b.valid), jnp.asarray(b.loss_mask)
+    assert b.loss_mask.sum() < b.valid.sum() and not (b.loss_mask & ~b.valid).any()  # prompts are there, unscored
+
+    def mean_ce(masked) -> tuple[float, float]:  # (over the response tokens, over every valid token)
+        blocks = masks.training_block_ids(CFG, val, masked, masks.resolve_block_grid(CFG, "auto"))
+        logits = losses.denoising_forward(w, CFG, jnp.where(masked, CFG.mask_token_id, tok), tok, val, t1.dispatch,
+                                          blocks=blocks).logits.astype(jnp.float32)
+        ce = np.asarray(-jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[..., None], -1)[..., 0])
+        return float(ce[b.loss_mask].mean()), float(ce[b.valid].mean())
+
+    responses, every = mean_ce(scored)
+    assert step_loss == pytest.approx(responses, rel=1e-4)
+    assert abs(step_loss - every) > 0.1 and abs(step_loss - mean_ce(val)[1]) > 0.1
+
 
 def test_moe_aux_losses() -> None:
     e = 4
@@ -228,6 +252,21 @@ def test_eval_is_deterministic() -> None:
     proto = EvalProtocol(micro_batch=4, n_seqs=8)
     a, b = evaluate(w, CFG, batch, proto), evaluate(w, CFG, batch, proto)
     assert a == b and a["eval_loss"] > 0
+    # The masks are drawn: another seed draws others (so a == b above is the fixed seed at work, not a constant).
+    assert evaluate(w, CFG, batch, dataclasses.replace(proto, seed=99))["eval_loss"] != a["eval_loss"]
+    # At t = 1 every token is masked: the figures are the mean cross-entropy and argmax accuracy of one forward pass
+    # over the fully masked sequences (1/t = 1), computed here.
+    at_1 = evaluate(w, CFG, batch, dataclasses.replace(proto, t_grid=(1.0,)))
+    tok, val = jnp.asarray(batch.tokens[:8]), jnp.asarray(batch.valid[:8])
+    assert batch.loss_mask[:8].all()
+    logits = losses.denoising_forward(w, CFG, jnp.full_like(tok, CFG.mask_token_id), tok, val, "dense",
+                                      blocks=masks.training_block_ids(CFG, val, val, "absolute")).logits
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    ce = -np.asarray(jnp.take_along_axis(logp, tok[..., None], -1)[..., 0])
+    acc = np.asarray(jnp.argmax(logits, -1) == tok).mean()
+    assert at_1["eval_loss"] == pytest.approx(ce.mean(), rel=1e-5)
+    assert at_1["eval_masked_ce"] == pytest.approx(ce.mean(), rel=1e-5)
+    assert at_1["eval_masked_acc"] == pytest.approx(acc, abs=1e-6)
 
 
 def test_cli_rejects_bad_input_before_compiling(tmp_path, capsys) -> None:

@@ -74,15 +74,27 @@ def test_wheel_imports_its_own_copy_with_its_data(installed, tmp_path):
     assert {"clover-35b-a3b", "clover-tiny"} <= set(presets)
 
 
-def test_clover_generate_runs_from_another_directory(installed, tmp_path):
-    res = _run(installed, ["generate", "ROMEO:", "--gen-length", "32"], tmp_path)
+GENERATE = ["generate", "ROMEO:", "--gen-length", "32"]  # greedy (temperature 0 by default): one answer
+
+
+@pytest.fixture(scope="module")
+def one_device(installed, tmp_path_factory) -> subprocess.CompletedProcess:
+    """`clover generate` of the wheel on one device, from a directory outside the checkout."""
+    return _run(installed, GENERATE, tmp_path_factory.mktemp("elsewhere"))
+
+
+def test_clover_generate_runs_from_another_directory(one_device):
+    res = one_device
     assert res.returncode == 0, res.stderr
     assert "RANDOM weights" not in res.stderr  # the shipped, trained model, not the preset
     assert res.stdout.strip() and "forward passes" in res.stderr
 
 
-def test_clover_generate_on_a_shipped_mesh_layout(installed, tmp_path):
-    res = _run(installed, ["generate", "ROMEO:", "--gen-length", "32", "--mesh", "cpu-8"], tmp_path,
+def test_clover_generate_on_a_shipped_mesh_layout(installed, one_device, tmp_path):
+    res = _run(installed, [*GENERATE, "--mesh", "cpu-8"], tmp_path,
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() and "forward passes" in res.stderr
+    assert "forward passes" in res.stderr
+    # sharded over the 8 devices of the shipped layout, the greedy text is the one-device run's
+    assert one_device.returncode == 0, one_device.stderr
+    assert res.stdout.strip() and res.stdout == one_device.stdout

@@ -204,11 +204,14 @@ class CloverLM(LM):
         s = self.settings
         if len(answer) > self.max_length:
             raise EvaluationError(f"an answer of {len(answer)} tokens exceeds max_length ({self.max_length})")
-        prompt = list(prompt)[max(0, len(prompt) + len(answer) - self.max_length):]
         if self.cfg.causal_prefix:  # clean text is the causal model: its likelihood is exact
+            # the answer's last token is never an input: prompt + answer may be max_length + 1 (lm-eval's rolling
+            # windows, whose context is the token before an answer of max_length)
+            prompt = list(prompt)[max(0, len(prompt) + len(answer) - 1 - self.max_length):]
             est = exact(self.weights, self.cfg, prompt, answer, dispatch=s.dispatch)
             self.estimates.append((kind, est))
             return est
+        prompt = list(prompt)[max(0, len(prompt) + len(answer) - self.max_length):]
         key = zlib.crc32(np.asarray([*prompt, -1, *answer], np.int64).tobytes())
         est = estimate(self.weights, self.cfg, prompt, answer, mc_num=s.mc_num, batch_size=s.batch_size,
                        cfg_scale=s.cfg_scale, seed=int(np.random.SeedSequence([s.seed, key]).generate_state(1)[0]),

@@ -197,13 +197,18 @@ def estimate(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequ
 
 @partial(jax.jit, static_argnames=("cfg", "dispatch"))
 def causal_logprob(weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, answer: Array,
-                   dispatch: str | None = None) -> tuple[Array, Array]:
+                   dispatch: str | None = None, next_token: Array | None = None) -> tuple[Array, Array]:
     """(sum over answer columns of log p(token | the tokens before it) [R], every answer column the argmax [R]) for
     rows [R, T] (left-padded), by one clean pass of a causal-prefix model (`cfg.causal_prefix`: clean text is the
-    causal model, so this is its exact log-likelihood, the path Clover's ports score text by)."""
-    logits = forward(weights, cfg, tokens, valid=valid, dispatch=dispatch).logits[:, :-1].astype(jnp.float32)
+    causal model, so this is its exact log-likelihood, the path Clover's ports score text by). `next_token` [R]: one
+    more answer token after the last column, scored but never an input (a sequence one longer than the pass)."""
+    logits = forward(weights, cfg, tokens, valid=valid, dispatch=dispatch).logits.astype(jnp.float32)
+    if next_token is None:
+        logits, nxt, scored = logits[:, :-1], tokens[:, 1:], answer[:, 1:]
+    else:
+        nxt = jnp.concatenate([tokens[:, 1:], next_token[:, None].astype(tokens.dtype)], axis=1)
+        scored = jnp.concatenate([answer[:, 1:], jnp.ones_like(answer[:, :1])], axis=1)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nxt, scored = tokens[:, 1:], answer[:, 1:]
     token_lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
     greedy = jnp.all(jnp.where(scored, jnp.argmax(logits, -1) == nxt, True), axis=-1)
     return jnp.sum(jnp.where(scored, token_lp, 0.0), axis=-1), greedy
@@ -213,16 +218,28 @@ def exact(weights: Any, cfg: ModelConfig, prompt: Sequence[int], answer: Sequenc
           dispatch: str | None = None) -> Estimate:
     """log p(answer | prompt) of a causal-prefix model, exactly (`causal_logprob`): standard error 0 from one pass;
     `greedy`: every answer token is the argmax after the tokens before it. The prompt needs at least one token (the
-    first answer token is predicted from it)."""
+    first answer token is predicted from it). The last answer token is never an input, so prompt + answer may be
+    one token longer than the model's max_seq_len (as a causal model scores lm-eval's rolling windows)."""
     if not prompt:
         raise EvaluationError("an exact causal likelihood needs a prompt of at least one token (e.g. the end token)")
-    n = len(prompt) + len(answer)
-    width = min(seq_bucket(n, min_len), max(cfg.max_seq_len, n))
-    if width > cfg.max_seq_len:
-        raise EvaluationError(f"prompt + answer ({n} tokens) exceed the model's max_seq_len ({cfg.max_seq_len})")
-    lay = layout(cfg, prompt, answer, width)
+    if not answer:
+        raise EvaluationError("the answer to score is empty")
+    seq = [*prompt, *answer]
+    n = len(seq)
+    if n - 1 > cfg.max_seq_len:
+        raise EvaluationError(f"prompt + answer ({n} tokens) exceed the model's max_seq_len ({cfg.max_seq_len}) "
+                              "by more than the last token")
+    over = n > cfg.max_seq_len  # the last token only as a target
+    inputs = seq[:-1] if over else seq
+    width = min(seq_bucket(len(inputs), min_len), max(cfg.max_seq_len, len(inputs)))
+    pad = width - len(inputs)
+    tokens = np.full((width,), cfg.filler_id, np.int32)
+    tokens[pad:] = inputs
+    col = np.arange(width)
+    valid = col >= pad
+    answer_cols = col >= pad + len(prompt)
     t0 = time.perf_counter()
-    answer_cols = lay.valid & ~lay.prompt
-    lp, greedy = causal_logprob(weights, cfg, jnp.asarray(lay.tokens[None]), jnp.asarray(lay.valid[None]),
-                                jnp.asarray(answer_cols[None]), dispatch=dispatch)
+    lp, greedy = causal_logprob(weights, cfg, jnp.asarray(tokens[None]), jnp.asarray(valid[None]),
+                                jnp.asarray(answer_cols[None]), dispatch=dispatch,
+                                next_token=jnp.asarray([answer[-1]], jnp.int32) if over else None)
     return Estimate(float(lp[0]), 0.0, 1, bool(greedy[0]), time.perf_counter() - t0)
