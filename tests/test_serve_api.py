@@ -658,7 +658,9 @@ def test_engine_kwargs():
     args = cli.build_parser().parse_args(["serve", "--batch-sizes", "4", "1", "4", "--max-tokens", "256"])
     kw = serve_cmd.engine_kwargs(args, None)
     assert kw == {"batch_sizes": (1, 4), "cache": "auto", "queue_size": 256, "dispatch": None, "mesh": None,
-                  "max_tokens": 256}
+                  "max_tokens": 256, "self_speculative": False}
+    args = cli.build_parser().parse_args(["serve", "--self-speculative"])
+    assert serve_cmd.engine_kwargs(args, None)["self_speculative"] is True
 
 
 def test_model_defaults_fill_what_a_request_leaves_out():

@@ -114,7 +114,7 @@ def _parse_calls(value: Any, where: str) -> tuple[CallMessage, ...]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise FieldError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
-                             "\"arguments\"}}}}", at)
+                             "\"arguments\"}}", at)
         if call.get("type", "function") != "function":
             raise FieldError(f"{at}.type must be \"function\"", f"{at}.type")
         call_id = call.get("id", "")
