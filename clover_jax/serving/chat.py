@@ -52,13 +52,16 @@ class CallMessage:
 
 @dataclass(frozen=True)
 class Message:
-    """One chat turn. `tool_calls`: an assistant's calls; `tool_call_id`: which call a tool turn answers."""
+    """One chat turn. `tool_calls`: an assistant's calls; `tool_call_id`: which call a tool turn answers;
+    `reasoning_content`: an assistant's reasoning as this server returned it apart from its answer (the Qwen3.5 /
+    3.6 templates write it back between `<think>` tags in the turns after the last question)."""
 
     role: str
     content: str
     tool_calls: tuple[CallMessage, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
 
     def as_template(self) -> dict[str, Any]:
         """The message as a chat template takes it (arguments as objects)."""
@@ -70,6 +73,8 @@ class Message:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -102,7 +107,11 @@ def _parse_message(message: Any, where: str) -> Message:
                          f"{where}.tool_call_id")
     if call_id is not None and not isinstance(call_id, str):
         raise FieldError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
-    return Message(role, content, calls, call_id if role == "tool" else None, name)
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise FieldError(f"{where}.reasoning_content must be a string, in an assistant message",
+                         f"{where}.reasoning_content")
+    return Message(role, content, calls, call_id if role == "tool" else None, name, reasoning)
 
 
 def _parse_calls(value: Any, where: str) -> tuple[CallMessage, ...]:

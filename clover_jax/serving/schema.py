@@ -101,7 +101,8 @@ def request_schemas(*, model: str, vocab_size: int, max_prompt: int, max_tokens:
                                                  {"type": "null"}]},
                            "name": _nullable({"type": "string"}),
                            "tool_calls": _nullable({"type": "array", "items": _ref("MessageToolCall")}),
-                           "tool_call_id": _nullable({"type": "string"})},
+                           "tool_call_id": _nullable({"type": "string"}),
+                           "reasoning_content": _nullable({"type": "string"})},
         },
         "MessageToolCall": {
             "type": "object", "required": ["function"],

@@ -14,8 +14,10 @@ Every call sits between `<tool_call>` and `</tool_call>`. Inside, either
 
   where a parameter's value is the text between its tags less one newline at each end, converted by the
   tool's JSON-schema type of that parameter: `string` stays as written, `integer`, `number`, `boolean`,
-  `object`, `array` and `null` are parsed as JSON (a value that does not parse as its type makes the
-  call invalid); an undeclared or untyped parameter is parsed as JSON when it can be, else kept as text.
+  `object`, `array` and `null` are parsed as JSON, a `boolean` or `null` also from Python's `True`, `False`,
+  `None` (the published Qwen3.5 template writes them so into earlier turns); a value that does not parse as its
+  type makes the call invalid; an undeclared or untyped parameter is parsed as JSON when it can be, else kept as
+  text.
 
 `parse_calls(text, tools)` returns the calls only when every `<tool_call>` in the text is closed, parses,
 names a known tool and fits its schema (`tools.check_arguments`); otherwise it returns no calls at all,
@@ -37,6 +39,10 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 _FUNCTION = re.compile(r"^<function=([^>\n]+)>(.*)</function>$", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+# How the published Qwen3.5 / 3.6 chat templates write a boolean or null argument into an earlier turn (jinja's
+# `| string`, Python's spelling): a model that reads its history so may write its calls so.
+_PYTHON_LITERALS: dict[str, tuple[str, Any]] = {"True": ("boolean", True), "False": ("boolean", False),
+                                                 "None": ("null", None)}
 
 
 @dataclass(frozen=True)
@@ -131,8 +137,11 @@ def convert_value(raw: str, types: list[str]) -> tuple[bool, Any]:
             return True, raw
     if "string" in types:
         return True, raw
+    text = raw.strip()
+    if text in _PYTHON_LITERALS and _PYTHON_LITERALS[text][0] in types:
+        return True, _PYTHON_LITERALS[text][1]
     try:
-        value = json.loads(raw.strip())
+        value = json.loads(text)
     except ValueError:
         return False, None
     return True, value  # the schema check that follows refuses a value of the wrong type
