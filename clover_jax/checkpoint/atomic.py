@@ -29,10 +29,16 @@ def sync_processes(tag: str) -> None:
 
 def _shared_token() -> str:
     """A random token that every process agrees on (process 0's draw)."""
-    token = uuid.uuid4().int & 0x7FFFFFFF
-    if jax.process_count() > 1:
-        token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+    token = int(share_from_primary(np.array(uuid.uuid4().int & 0x7FFFFFFF, dtype=np.int32)))
     return f"{token:08x}"
+
+
+def share_from_primary(value: np.ndarray) -> np.ndarray:
+    """Process 0's `value` in every process (itself in a single-process run); a collective: every process calls
+    it with an array of the same shape and dtype."""
+    if jax.process_count() > 1 and value.size:
+        return np.asarray(multihost_utils.broadcast_one_to_all(value))
+    return value
 
 
 def is_primary() -> bool:

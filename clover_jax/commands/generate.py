@@ -231,7 +231,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--bd-gdn: {cfg.name} has no block-diffusion Gated DeltaNet tensors")
         cfg = cfg.replace(bd_gdn=args.bd_gdn)
     chat = not args.no_chat_template
-    done = jobs.finished_ids(args.output) if args.output and not args.force else set()  # --force: none kept
+    # --force: none kept; several processes: process 0's reading of the output, in all of them
+    done = jobs.shared_finished_ids(args.output, [rid for rid, _ in todo_jobs]) if args.input and not args.force \
+        else set()
     todo = [(rid, text) for rid, text in todo_jobs if rid not in done]
     think = False if args.no_think else None
     encoded = [(rid, text, encode(tok, text, chat, think)) for rid, text in todo]

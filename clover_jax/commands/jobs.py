@@ -8,6 +8,11 @@ is written twice.
 Settings: next to the output, OUTPUT.settings.json records what the rows were made with (the model and every
 setting that changes the tokens, `fingerprint` in clover_jax/commands/generate.py). A run that would append to rows
 made under another record is refused, naming what differs; `--force` starts the output over.
+
+Multi-host: every process runs the same job (same input, same batches: the sampler's collectives span them all),
+but only process 0 writes: the rows, the settings record, the cut of a torn line. Which ids are done is process 0's
+reading of the output, broadcast to the others (`shared_finished_ids`), so the processes agree on the batches
+whether or not they share a filesystem.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
+from clover_jax.checkpoint.atomic import is_primary, share_from_primary
 from clover_jax.errors import UsageError
 from clover_jax.jsonfile import read_lines, read_object
 
@@ -63,7 +70,7 @@ def finished_ids(path: str) -> set:
             done.add(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UsageError(f"{path}:{n}: existing output line is not a result row; refusing to append") from e
-    if len(keep) != len(data):
+    if len(keep) != len(data) and is_primary():
         print(f"clover generate: dropping a torn last line from {path}", file=sys.stderr)
         with open(path, "r+b") as f:
             f.truncate(len(keep))
@@ -72,8 +79,18 @@ def finished_ids(path: str) -> set:
     return done
 
 
+def shared_finished_ids(path: str, ids: Sequence[Any]) -> set:
+    """Which of `ids` are already in the output, as process 0 reads it, in every process (a multi-host job's
+    processes must run the same batches). Call it in every process: it is a collective when there are several."""
+    done = finished_ids(path)
+    mask = share_from_primary(np.array([rid in done for rid in ids], dtype=np.bool_))
+    return {rid for rid, d in zip(ids, mask, strict=True) if d}
+
+
 def append_rows(path: str, rows: list[dict]) -> None:
-    """Append result rows as JSON lines, flushed and fsynced before returning."""
+    """Append result rows as JSON lines, flushed and fsynced before returning (process 0 only)."""
+    if not is_primary():
+        return
     with open(path, "a", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -94,7 +111,7 @@ def run_batches(jobs: Sequence[Any], batch_size: int, output: str,
             chunk = jobs[start:start + batch_size]
             append_rows(output, run_batch(chunk))
             bar.update(len(chunk))
-            if not tty:
+            if not tty and is_primary():
                 done = min(start + batch_size, len(jobs))
                 print(f"clover generate: {done}/{len(jobs)} prompts done, written to {output}", file=sys.stderr,
                       flush=True)
@@ -149,7 +166,9 @@ def check_settings(output: str, fingerprint: dict[str, Any], labels: dict[str, s
 def record_settings(output: str, fingerprint: dict[str, Any], force: bool) -> None:
     """Before the first row is appended: with `force` empty `output` (its rows discarded), then write this run's
     fingerprint to its settings record (atomically) unless the output's rows already carry that record. The output
-    is emptied first, so a crash between the two never leaves old rows beside a new record."""
+    is emptied first, so a crash between the two never leaves old rows beside a new record. Process 0 only."""
+    if not is_primary():
+        return
     side = settings_path(output)
     if force and _has_rows(output):
         with open(output, "r+b") as f:

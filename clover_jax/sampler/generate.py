@@ -397,7 +397,7 @@ def generate(
     finally:
         set_progress_sink(None)
     n = len(prompts)
-    canvas = np.asarray(out.tokens)[:n]
+    canvas = _on_host(out.tokens)[:n]
     raw = np.stack([canvas[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
     result_tokens, finished = [], []
     for row in raw:
@@ -405,8 +405,19 @@ def generate(
         end = int(hits[0]) if hits.size else len(row)
         result_tokens.append([int(x) for x in row[:end]])
         finished.append(bool(hits.size))
-    stats = SamplerStats(nfe=int(out.nfe), steps=int(out.steps), tokens=int(np.asarray(out.committed)[:n].sum()),
+    stats = SamplerStats(nfe=int(out.nfe), steps=int(out.steps), tokens=int(_on_host(out.committed)[:n].sum()),
                          rows=n, wall_s=wall, compile_s=compile_s, compile_cached=cached)
     logits = None if out.logits is None else np.stack(
-        [np.asarray(out.logits)[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
+        [_on_host(out.logits)[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
     return GenerateResult(result_tokens, finished, raw, stats, logits)
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """The whole of a program output in this process: as it is when this process holds all of it (one process, or
+    replicated), else gathered from every process (a multi-host mesh whose data axis spans processes shards the
+    rows across them; a collective, which every process reaches at the same point)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
