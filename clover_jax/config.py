@@ -22,6 +22,7 @@ RouterKind = Literal["softmax", "sigmoid"]
 FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only schemes of `model.quant`
+ATTENTION_IMPLS = ("auto", "dense", "chunked")  # how `model.layers.attend` computes (ModelConfig.attention_impl)
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"  # the two kinds of `layer_types`
 # How Gated DeltaNet layers use Clover's block-diffusion tensors (docs/model.md): causal_prefix as Clover's ports run
 # it, reconstructed (this project's earlier reading), none (ignored: the plain causal model, as llama.cpp runs it).
@@ -101,6 +102,11 @@ class ModelConfig:
     quantization: str = "none"
     # Default MoE dispatch on one device; sharded runs pick an expert-parallel one.
     moe_dispatch: str = "tiled"
+    # How attention layers compute (`model.layers.attend`): "dense" holds a window's whole float32 score matrix;
+    # "chunked" walks query and key chunks of `attention_chunk` columns with an online softmax (never more than
+    # one chunk pair's scores); "auto" chunks when both the queries and the keys are longer than one chunk.
+    attention_impl: str = "auto"
+    attention_chunk: int = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_types, list):  # from JSON: keep the config hashable
@@ -308,6 +314,9 @@ def validate(cfg: ModelConfig) -> None:
     need(cfg.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     need(cfg.init_std > 0, "init_std must be positive")
     need(cfg.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}, got {cfg.quantization!r}")
+    need(cfg.attention_impl in ATTENTION_IMPLS,
+         f"attention_impl must be one of {ATTENTION_IMPLS}, got {cfg.attention_impl!r}")
+    need(cfg.attention_chunk >= 1, f"attention_chunk must be >= 1, got {cfg.attention_chunk}")
     need(not cfg.shared_expert_gate or cfg.n_shared_experts > 0, "shared_expert_gate needs a shared expert")
     if cfg.layer_types is not None:
         kinds = (LINEAR_ATTENTION, FULL_ATTENTION)

@@ -58,7 +58,7 @@ def _layer(
         v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
         k, v = k_all[i], v_all[i]
         kv = (k_all, v_all)
-    attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, cfg.attention_impl, cfg.attention_chunk)
     x = x + layers.output_projection(h, attn, w.attn, cfg)
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
