@@ -19,6 +19,10 @@ block-diffusion delta rule chunked (`delta_rule_blocks_chunked`, the default abo
 (`delta_rule_blocks`), and the same weights as the plain causal Gated DeltaNet (bd_gdn="none",
 `delta_rule_chunked`); then, in one process with the three taken in turns (the machine is shared), one
 Gated DeltaNet layer's mixer over the whole prompt and its delta rule alone (best of `--runs`).
+Table 3 (`--attention-sizes`, default 2K .. 16K): the same sampler on an all-attention model of the same size
+(`clover-tiny-attention`: clover-tiny with its three Gated DeltaNet layers made attention layers; random weights),
+with attention chunked (`attention_impl: auto`, the default: a prompt longer than 1,024 columns is attended in
+chunks with an online softmax) and dense (its whole [heads, prompt, cache] float32 scores at once).
 Prints the tables; asserts nothing.
 """
 
@@ -38,6 +42,7 @@ os.environ["CLOVER_COMPILE_CACHE"] = "off"  # the scan mode changes a module con
 
 MODES = {"chunked": "block diffusion, chunked", "scan": "block diffusion, position scan",
          "plain": "plain causal GDN (bd_gdn=none)"}
+ATTENTION_MODES = {"attention-auto": "auto", "attention-dense": "dense"}  # table 3: attention_impl
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--window", type=int, default=0,
                    help="prefill in windows of this many columns, a power of two >= 32 (0: one call, the sampler's)")
+    p.add_argument("--attention-sizes", type=int, nargs="*", default=[2048, 8192, 16384],
+                   help="prompt lengths for table 3, the all-attention model chunked and dense (none: skip it)")
     p.add_argument("--worker", nargs=3, metavar=("KIND", "MODE", "SIZE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -62,6 +69,14 @@ def _model(mode: str, length: int):
     from clover_jax.model import delta_rule
     from clover_jax.shipped import MODEL_DIR
 
+    if mode in ATTENTION_MODES:
+        import jax
+
+        from clover_jax.config import get_config
+        from clover_jax.model import params
+
+        cfg = get_config("clover-tiny-attention").replace(max_seq_len=length, attention_impl=ATTENTION_MODES[mode])
+        return cfg, params.init(cfg, jax.random.key(0))
     delta_rule.BLOCKS_SCAN_MAX = 1 << 40 if mode == "scan" else 256
     cfg, weights = load_model(str(MODEL_DIR))
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, length))
@@ -213,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             o = r["out"]
             print(f"{size:7d} {o['window']:6d} {o['prefill_s']:9.2f} {r['rss_gb']:6.2f} {o['gen_tps']:9.1f} "
                   f"{o['compile_s']:9.1f}", flush=True)
+    if args.attention_sizes:
+        head = f"{'all-attention, attention':28} {'prompt':>7} {'prefill s':>9} {'RSS GB':>6} {'gen tok/s':>9}"
+        print(f"\n{head}\n{'-' * len(head)}", flush=True)
+        for size in args.attention_sizes:
+            for mode, impl in ATTENTION_MODES.items():
+                r = spawn("sampler", mode, size, argv)
+                o = r.get("out")
+                row = (f"{o['prefill_s']:9.2f} {r['rss_gb']:6.2f} {o['gen_tps']:9.1f}" if o else r.get("error", ""))
+                print(f"{impl:28} {size:7d} {row}", flush=True)
     if args.no_compare:
         return 0
     size = args.compare_size
