@@ -128,3 +128,38 @@ def test_the_flags_reach_the_model_and_keep_the_text(capsys):
         assert cli.main(["generate", prompt, "--gen-length", "32", "--temperature", "0", *extra]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_a_mask_built_per_chunk_gives_the_same_attention(impl):
+    """The sampler's `masks.BlockMask` (the rule, unevaluated) attends exactly as the mask it stands for."""
+    r = np.random.default_rng(7)
+    qv = jnp.asarray(r.random((2, 21)) < 0.9)
+    kv = jnp.asarray(r.random((2, 45)) < 0.9)
+    qb = jnp.asarray(np.sort(r.integers(0, 6, (2, 21)), axis=1))
+    kb = jnp.asarray(np.sort(r.integers(0, 6, (2, 45)), axis=1))
+    lazy = masks.BlockMask(qv, qb, kv, kb, True)
+    assert lazy.shape == (2, 21, 45)
+    full = masks.attention_mask(qv, qb, kv, kb, True)
+    np.testing.assert_array_equal(np.asarray(lazy.full()), np.asarray(full))
+    np.testing.assert_array_equal(np.asarray(lazy.rows(3, 5).cols(10, 7).full()), np.asarray(full[:, 3:8, 10:17]))
+    q, k, v = _qkv(21, 45, seed=8)
+    np.testing.assert_allclose(np.asarray(layers.attend(q, k, v, lazy, impl, 8)),
+                               np.asarray(layers.attend(q, k, v, full, "dense")), atol=1e-5, rtol=1e-5)
+
+
+def test_a_mask_built_per_chunk_is_never_held_whole():
+    t, chunk = 4096, 256
+    q = jax.ShapeDtypeStruct((1, t, 4, 32), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, t, 2, 32), jnp.float32)
+    vec = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+    def temp_bytes(lazy):
+        def f(q, k, v, valid, blocks):
+            m = masks.BlockMask(valid > 0, blocks, valid > 0, blocks, True)
+            return layers.attend(q, k, v, m if lazy else m.full(), "chunked", chunk)
+
+        return jax.jit(f).lower(q, kv, kv, vec, vec).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(False) >= t * t  # the [T, T] bool mask
+    assert temp_bytes(True) < t * t / 4

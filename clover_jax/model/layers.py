@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.config import ModelConfig
-from clover_jax.model import quant
+from clover_jax.model import masks, quant
 from clover_jax.model.params import AttentionWeights, MLPWeights
 
 Array = jax.Array
@@ -77,8 +77,10 @@ def project_qkv(x: Array, w: AttentionWeights, positions: Array, cfg: ModelConfi
     return q, k, v
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array, impl: str = "dense", chunk: int = 1024) -> Array:
-    """Grouped-query attention. q [B,Tq,H,hd], k/v [B,Tk,K,hd], mask [B,Tq,Tk] -> [B,Tq,H,hd].
+def attend(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, impl: str = "dense", chunk: int = 1024
+           ) -> Array:
+    """Grouped-query attention. q [B,Tq,H,hd], k/v [B,Tk,K,hd], mask [B,Tq,Tk] (an array, or a `masks.BlockMask`
+    built where it is read) -> [B,Tq,H,hd].
 
     Scores and softmax in float32. KV heads are never repeated: the H/K query heads that share a KV
     head are stacked along the query axis, so each (row, KV head) is one [H/K*Tq, hd] x [hd, Tk]
@@ -89,6 +91,8 @@ def attend(q: Array, k: Array, v: Array, mask: Array, impl: str = "dense", chunk
     """
     if impl == "chunked" or (impl == "auto" and min(q.shape[1], k.shape[1]) > chunk):
         return attend_chunked(q, k, v, mask, chunk)
+    if isinstance(mask, masks.BlockMask):
+        mask = mask.full()
     b, tq, h, hd = q.shape
     kv, g = k.shape[2], h // k.shape[2]
     qg = q.reshape(b, tq, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * tq, hd)
@@ -99,13 +103,14 @@ def attend(q: Array, k: Array, v: Array, mask: Array, impl: str = "dense", chunk
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, hd)
 
 
-def attend_chunked(q: Array, k: Array, v: Array, mask: Array, chunk: int) -> Array:
+def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, chunk: int) -> Array:
     """`attend` by query chunks (one after another) and, within each, key chunks with an online softmax (a
     running max, denominator and weighted sum per query, rescaled as each key chunk arrives): the scores held at
     once are [B, H, chunk, chunk], whatever Tq and Tk, and the chunks are read in place (q, k, v and the mask are
-    never copied whole). Equal to the dense form up to float32 rounding. A length that is not a whole number of
-    chunks ends with a chunk shifted back to fit: its keys already counted weigh exactly nothing (scored below any
-    masked key), its queries already computed are written again with the same values."""
+    never copied whole; a `masks.BlockMask` is built one chunk at a time). Equal to the dense form up to float32
+    rounding. A length that is not a whole number of chunks ends with a chunk shifted back to fit: its keys
+    already counted weigh exactly nothing (scored below any masked key), its queries already computed are
+    written again with the same values."""
     b, tq, h, hd = q.shape
     tk, kv = k.shape[1], k.shape[2]
     g = h // kv
@@ -117,14 +122,15 @@ def attend_chunked(q: Array, k: Array, v: Array, mask: Array, chunk: int) -> Arr
         q0 = jnp.minimum(i * cq, tq - cq)
         qc = jax.lax.dynamic_slice_in_dim(q, q0, cq, axis=1)
         qc = qc.reshape(b, cq, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * cq, hd)
-        mq = jax.lax.dynamic_slice_in_dim(mask, q0, cq, axis=1)
+        lazy = isinstance(mask, masks.BlockMask)
+        mq = mask.rows(q0, cq) if lazy else jax.lax.dynamic_slice_in_dim(mask, q0, cq, axis=1)
 
         def one_key_chunk(carry: tuple[Array, Array, Array], j: Array) -> tuple:
             m, denom, acc = carry
             k0 = jnp.minimum(j * ck, tk - ck)
             kc = jax.lax.dynamic_slice_in_dim(k, k0, ck, axis=1)
             vc = jax.lax.dynamic_slice_in_dim(v, k0, ck, axis=1)
-            mk = jax.lax.dynamic_slice_in_dim(mq, k0, ck, axis=2)
+            mk = mq.cols(k0, ck).full() if lazy else jax.lax.dynamic_slice_in_dim(mq, k0, ck, axis=2)
             new = k0 + jnp.arange(ck) >= j * ck  # not counted by an earlier chunk
             s = jnp.einsum("bkqd,bskd->bkqs", qc, kc, preferred_element_type=jnp.float32) * scale
             s = jnp.where(mk[:, None, None], s.reshape(b, kv, g, cq, ck), NEG_INF)

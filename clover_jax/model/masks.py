@@ -10,7 +10,8 @@ query may attend to the key. Positions count only valid (non-padding) tokens, so
 shifts a row; block ids follow each row's own positions (LLaDA2's absolute blocks).
 
 Three callers build masks from these rules: a plain forward pass (`full_mask`), the sampler's
-canvas (`canvas_block_ids` + `attention_mask`) and block-diffusion training
+canvas (`canvas_block_ids` + `BlockMask`, `attention_mask`'s rule left unevaluated so that chunked attention builds
+only the chunk it reads: a long prompt's [Tq, Tk] mask is never held whole) and block-diffusion training
 (`training_block_ids` + `block_diffusion_mask`).
 
 Where a generation's blocks start is the block grid (`BLOCK_GRIDS`): `prompt` opens the first generated
@@ -20,6 +21,8 @@ prompt / response pairs lays its blocks on the grid its sampler will use.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +104,42 @@ def attention_mask(q_valid: Array, q_block: Array, k_valid: Array, k_block: Arra
     if block_causal:
         mask = mask & (k_block[:, None, :] <= q_block[:, :, None])
     return mask
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """`attention_mask(q_valid, q_block, k_valid, k_block, block_causal)` unevaluated (a pytree: the four [B, T]
+    vectors are its leaves): `full()` builds the [B, Tq, Tk] mask, `rows` / `cols` narrow it to a query or key
+    range, so a chunked attention builds one chunk of it at a time."""
+
+    q_valid: Array
+    q_block: Array
+    k_valid: Array
+    k_block: Array
+    block_causal: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, Tq, Tk) of the full mask."""
+        return (self.q_valid.shape[0], self.q_valid.shape[1], self.k_valid.shape[1])
+
+    def full(self) -> Array:
+        """The boolean mask [B, Tq, Tk]."""
+        return attention_mask(self.q_valid, self.q_block, self.k_valid, self.k_block, self.block_causal)
+
+    def rows(self, start: Array | int, n: int) -> BlockMask:
+        """The mask of queries [start, start + n)."""
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, n, axis=1)
+        return BlockMask(cut(self.q_valid), cut(self.q_block), self.k_valid, self.k_block, self.block_causal)
+
+    def cols(self, start: Array | int, n: int) -> BlockMask:
+        """The mask of keys [start, start + n)."""
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, n, axis=1)
+        return BlockMask(self.q_valid, self.q_block, cut(self.k_valid), cut(self.k_block), self.block_causal)
+
+
+jax.tree_util.register_dataclass(BlockMask, data_fields=["q_valid", "q_block", "k_valid", "k_block"],
+                                 meta_fields=["block_causal"])
 
 
 def full_mask(cfg: ModelConfig, valid: Array, blocks: Array | None = None) -> Array:

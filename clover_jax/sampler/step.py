@@ -63,7 +63,7 @@ def window_pass(forward_fn: ForwardFn, weights: Any, cfg: ModelConfig, tokens: A
 
     qv, qi = cut(valid), cut(blocks)
     kv, ki = (valid, blocks) if cache is not None else (qv, qi)
-    mask = masks.attention_mask(qv, qi, kv, ki, cfg.is_block_causal)
+    mask = masks.BlockMask(qv, qi, kv, ki, cfg.is_block_causal)  # built by the attention layers, a chunk at a time
     linear = dict(valid=qv, blocks=qi, commit=commit) if cfg.is_hybrid else {}
     logits, cache = forward_fn(weights, cut(tokens), cut(positions), mask, cache, jnp.asarray(lo, jnp.int32),
                                logits_start, logits_len, **linear)
