@@ -109,7 +109,7 @@ def test_a_bad_attention_setting_is_named():
         get_config("test-clover").replace(attention_chunk=0)
 
 
-def test_the_flags_reach_the_model_and_keep_the_text(capsys):
+def test_the_flags_reach_the_model_and_keep_the_text(capsys, monkeypatch):
     from clover_jax import cli
     from clover_jax.commands.attention_flags import with_attention
 
@@ -123,10 +123,20 @@ def test_the_flags_reach_the_model_and_keep_the_text(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "x", "--attention-chunk", "0"])
     prompt = "ROMEO: " + "What light through yonder window breaks? " * 3  # longer than a chunk of 8
+    chunks = []  # the chunk sizes chunked attention was traced with
+    real = layers.attend_chunked
+
+    def counted(q, k, v, mask, chunk):
+        chunks.append(chunk)
+        return real(q, k, v, mask, chunk)
+
+    monkeypatch.setattr(layers, "attend_chunked", counted)
     texts = []
     for extra in ([], ["--attention", "chunked", "--attention-chunk", "8"]):
-        assert cli.main(["generate", prompt, "--gen-length", "32", "--temperature", "0", *extra]) == 0
+        assert cli.main(["--compile-cache", "off", "generate", prompt, "--gen-length", "32", "--temperature", "0",
+                         *extra]) == 0  # (traced afresh: the disk cache would skip the trace)
         texts.append(capsys.readouterr().out)
+        assert (set(chunks) == {8}) if extra else not chunks  # the flag reached the model; auto stays dense here
     assert texts[0] == texts[1] and texts[0].strip()
 
 

@@ -2,21 +2,15 @@
 run a sharded generate, a sharded forward and an Orbax save/restore, and match one process."""
 
 import os
-import socket
-import subprocess
 import sys
 
 import jax
 import numpy as np
 
+from tests.processes import Processes, free_port
+
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _single_process_reference():
@@ -38,29 +32,15 @@ def _single_process_reference():
 
 
 def test_two_processes_match_one(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)  # the worker replaces the device count of XLA_FLAGS and keeps the rest
-    logs = [open(tmp_path / f"worker{i}.log", "w+") for i in range(2)]  # noqa: SIM115
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(port), str(tmp_path)], env=env,
-                              stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    workers = Processes([[sys.executable, WORKER, str(i), str(port), str(tmp_path)] for i in range(2)], [env] * 2,
+                        tmp_path, "worker")
     # The reference runs here while the workers start up (this process has 8 fake devices).
     ref_raw, ref_nfe, ref_logits = _single_process_reference()
-    try:
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    tails = []
-    for i, f in enumerate(logs):
-        f.seek(0)
-        tails.append(f"--- worker {i} ---\n" + "".join(f.readlines()[-25:]))
-        f.close()
-    assert codes is not None, f"multi-host workers did not finish within {TIMEOUT_S} s\n" + "\n".join(tails)
-    assert codes == [0, 0], f"multi-host workers failed with exit codes {codes}\n" + "\n".join(tails)
+    codes, tails = workers.wait(TIMEOUT_S)
+    assert codes is not None, f"multi-host workers did not finish within {TIMEOUT_S} s\n" + tails
+    assert codes == [0, 0], f"multi-host workers failed with exit codes {codes}\n" + tails
 
     got = np.load(tmp_path / "result.npz")
     assert int(got["restore_mismatches"]) == 0, "Orbax restore into the cpu-8 layout changed some weights"

@@ -5,20 +5,13 @@ settings record is untouched, and the texts are those of a one-process run."""
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 from clover_jax import cli
+from tests.processes import Processes, free_port
 
 FLAGS = ["--model", "test-clover", "--gen-length", "16", "--block-length", "8", "--batch-size", "2"]
 TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts(path, ids):
@@ -43,25 +36,12 @@ def test_a_two_process_job_writes_each_row_once(tmp_path):
     assert cli.main(["generate", "--input", first, "--output", str(out), *FLAGS]) == 0  # a one-process start
     begun, record = out.read_text(), (tmp_path / "out.jsonl.settings.json").read_text()
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "clover_jax.cli", "generate", "--input", every, "--output", str(out), *FLAGS,
            "--mesh", "cpu-8"]
-    logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]  # noqa: SIM115
-    procs = [subprocess.Popen(cmd, env=_process_env(i, port), stdout=logs[i], stderr=subprocess.STDOUT)
-             for i in range(2)]
-    try:
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    tails = []
-    for i, f in enumerate(logs):
-        f.seek(0)
-        tails.append(f"--- process {i} ---\n" + "".join(f.readlines()[-15:]))
-        f.close()
-    assert codes == [0, 0], "\n".join(tails)
+    codes, tails = Processes([cmd, cmd], [_process_env(i, port) for i in range(2)], tmp_path, "process").wait(
+        TIMEOUT_S, tail_lines=15)
+    assert codes == [0, 0], tails
 
     text = out.read_text()
     assert text.startswith(begun)  # the one-process rows, byte for byte
@@ -70,4 +50,5 @@ def test_a_two_process_job_writes_each_row_once(tmp_path):
     want = {r["id"]: r["text"] for r in map(json.loads, ref.read_text().splitlines())}
     assert {r["id"]: r["text"] for r in rows} == want
     assert (tmp_path / "out.jsonl.settings.json").read_text() == record
-    assert "4/4 prompts done" in tails[0] and "prompts done" not in tails[1]  # process 1 claims no rows
+    process0, process1 = tails.split("--- process 1 ---")
+    assert "4/4 prompts done" in process0 and "prompts done" not in process1  # process 1 claims no rows

@@ -234,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = cfg.replace(bd_gdn=args.bd_gdn)
     cfg = with_attention(cfg, args)
     chat = not args.no_chat_template
-    # --force: none kept; several processes: process 0's reading of the output, in all of them
-    done = jobs.shared_finished_ids(args.output, [rid for rid, _ in todo_jobs]) if args.input and not args.force \
-        else set()
+    done = set()  # --force: none kept; several processes: process 0's reading of the output, in all of them
+    if args.input and not args.force:
+        done = jobs.shared_finished_ids(args.output, [rid for rid, _ in todo_jobs])
     todo = [(rid, text) for rid, text in todo_jobs if rid not in done]
     think = False if args.no_think else None
     encoded = [(rid, text, encode(tok, text, chat, think)) for rid, text in todo]

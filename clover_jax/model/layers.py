@@ -117,12 +117,12 @@ def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, 
     cq, ck = min(chunk, tq), min(chunk, tk)
     nq, nk = -(-tq // cq), -(-tk // ck)
     scale = hd**-0.5
+    lazy = isinstance(mask, masks.BlockMask)
 
     def one_query_chunk(i: Array, out: Array) -> Array:
         q0 = jnp.minimum(i * cq, tq - cq)
         qc = jax.lax.dynamic_slice_in_dim(q, q0, cq, axis=1)
         qc = qc.reshape(b, cq, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * cq, hd)
-        lazy = isinstance(mask, masks.BlockMask)
         mq = mask.rows(q0, cq) if lazy else jax.lax.dynamic_slice_in_dim(mask, q0, cq, axis=1)
 
         def one_key_chunk(carry: tuple[Array, Array, Array], j: Array) -> tuple:

@@ -407,8 +407,10 @@ def generate(
         finished.append(bool(hits.size))
     stats = SamplerStats(nfe=int(out.nfe), steps=int(out.steps), tokens=int(_on_host(out.committed)[:n].sum()),
                          rows=n, wall_s=wall, compile_s=compile_s, compile_cached=cached)
-    logits = None if out.logits is None else np.stack(
-        [_on_host(out.logits)[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
+    logits = None
+    if out.logits is not None:
+        every = _on_host(out.logits)  # once: a collective on a multi-host mesh
+        logits = np.stack([every[i, t:t + sc.gen_length] for i, t in enumerate(inputs.tail[:n])])
     return GenerateResult(result_tokens, finished, raw, stats, logits)
 
 
