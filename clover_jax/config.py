@@ -107,6 +107,10 @@ class ModelConfig:
     # one chunk pair's scores); "auto" chunks when both the queries and the keys are longer than one chunk.
     attention_impl: str = "auto"
     attention_chunk: int = 1024
+    # A prompt longer than `prefill_chunk` columns is written into the cache in windows of that many (the sampler
+    # and the server; `sampler.step.prefill`), so a prefill's activations are bounded whatever the prompt's length;
+    # exact (block-causal attention-only models repeat one block per window). 0: the whole prompt in one pass.
+    prefill_chunk: int = 4096
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_types, list):  # from JSON: keep the config hashable
@@ -317,6 +321,8 @@ def validate(cfg: ModelConfig) -> None:
     need(cfg.attention_impl in ATTENTION_IMPLS,
          f"attention_impl must be one of {ATTENTION_IMPLS}, got {cfg.attention_impl!r}")
     need(cfg.attention_chunk >= 1, f"attention_chunk must be >= 1, got {cfg.attention_chunk}")
+    need(cfg.prefill_chunk >= 0, f"prefill_chunk must be >= 0 (0: the whole prompt in one pass), got "
+                                 f"{cfg.prefill_chunk}")
     need(not cfg.shared_expert_gate or cfg.n_shared_experts > 0, "shared_expert_gate needs a shared expert")
     if cfg.layer_types is not None:
         kinds = (LINEAR_ATTENTION, FULL_ATTENTION)

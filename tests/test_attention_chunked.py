@@ -111,15 +111,15 @@ def test_a_bad_attention_setting_is_named():
 
 def test_the_flags_reach_the_model_and_keep_the_text(capsys, monkeypatch):
     from clover_jax import cli
-    from clover_jax.commands.attention_flags import with_attention
+    from clover_jax.commands.memory_flags import with_memory_flags
 
     cfg = get_config("test-clover")
     for command in ("generate", "serve"):
         args = cli.build_parser().parse_args([command, *(["x"] if command == "generate" else []), "--attention",
                                               "chunked", "--attention-chunk", "8"])
-        got = with_attention(cfg, args)
+        got = with_memory_flags(cfg, args)
         assert (got.attention_impl, got.attention_chunk) == ("chunked", 8)
-    assert with_attention(cfg, cli.build_parser().parse_args(["generate", "x"])) is cfg
+    assert with_memory_flags(cfg, cli.build_parser().parse_args(["generate", "x"])) is cfg
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "x", "--attention-chunk", "0"])
     prompt = "ROMEO: " + "What light through yonder window breaks? " * 3  # longer than a chunk of 8

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from clover_jax import loading
 from clover_jax.commands import jobs
-from clover_jax.commands.attention_flags import add_attention_arguments, with_attention
+from clover_jax.commands.memory_flags import add_memory_arguments, with_memory_flags
 from clover_jax.config import BD_GDN_MODES, ModelConfig
 from clover_jax.errors import SamplerError, UsageError
 from clover_jax.mesh.layouts import add_mesh_argument
@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-think", action="store_true",
                    help="answer without reasoning first: enable_thinking=false for the chat template (Qwen3.5 / 3.6 "
                         "templates take it)")
-    add_attention_arguments(p)
+    add_memory_arguments(p)
     add_mesh_argument(p)
     p.set_defaults(func=run)
 
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if not cfg.has_bd_weights:
             raise UsageError(f"--bd-gdn: {cfg.name} has no block-diffusion Gated DeltaNet tensors")
         cfg = cfg.replace(bd_gdn=args.bd_gdn)
-    cfg = with_attention(cfg, args)
+    cfg = with_memory_flags(cfg, args)
     chat = not args.no_chat_template
     done = set()  # --force: none kept; several processes: process 0's reading of the output, in all of them
     if args.input and not args.force:

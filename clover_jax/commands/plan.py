@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from clover_jax.commands.memory_flags import add_memory_arguments, with_memory_flags
 from clover_jax.config import QUANTIZATIONS, ModelConfig, load_config
 from clover_jax.errors import PlanError
 from clover_jax.mesh.layouts import Layout, load_layout
@@ -64,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     whole.add_argument("--gen-len", type=int, default=None, help="generated tokens (--serve: the most; default 128)")
     whole.add_argument("--cache", default="auto", choices=("auto", "none", "prefix", "dual"),
                        help="the sampler's cache mode (default auto: prefix for block-causal models, else none)")
+    add_memory_arguments(whole)
     p.set_defaults(func=run)
 
 
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = cfg.replace(moe_block_coreset=args.coreset)
         except ValueError as e:
             raise PlanError(f"--coreset: {e}") from None
+    cfg = with_memory_flags(cfg, args)
     layout = load_layout(args.mesh)
     if args.generate or args.serve:
         return run_program_plan(args, cfg, layout)

@@ -36,7 +36,7 @@ import threading
 from typing import Any
 
 from clover_jax import loading
-from clover_jax.commands.attention_flags import add_attention_arguments, with_attention
+from clover_jax.commands.memory_flags import add_memory_arguments, with_memory_flags
 from clover_jax.errors import UsageError
 from clover_jax.mesh.layouts import add_mesh_argument
 from clover_jax.sampler.settings import SamplerConfig
@@ -101,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "finish_reason 'length' (the text so far), the response or its final chunk says "
                         "\"timed_out\": true, and its rows free at the next block boundary "
                         f"(default {REQUEST_TIMEOUT_S:g}; 0: no deadline)")
-    add_attention_arguments(p)
+    add_memory_arguments(p)
     add_mesh_argument(p)
     p.set_defaults(func=run)
 
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or loading.default_model()
         stored = loading.sampler_defaults(model)
         cfg, weights, tok, mesh = loading.open_model(model, args.mesh, _say_loading)
-        cfg = with_attention(cfg, args)
+        cfg = with_memory_flags(cfg, args)
         from clover_jax.serving.engine import Engine
         from clover_jax.serving.http_request import request_defaults
 

@@ -3,6 +3,8 @@
 
     window_pass   the model on one window of the canvas: the window's tokens, its attention mask (from each
                   column's validity and block id), the Gated DeltaNet extras, float32 logits
+    prefill       a prompt's columns written into the cache in windows of at most `ModelConfig.prefill_chunk`
+                  columns (activation memory bounded whatever the prompt's length), exact
     cached_pass   which window a block-causal pass with a cache runs: the block's first step runs
                   [block j-1, block j] (block j-1 is final now: its K/V are written and the Gated DeltaNet state
                   advances over it), later steps run block j alone against the cache (nothing written back)
@@ -68,6 +70,43 @@ def window_pass(forward_fn: ForwardFn, weights: Any, cfg: ModelConfig, tokens: A
     logits, cache = forward_fn(weights, cut(tokens), cut(positions), mask, cache, jnp.asarray(lo, jnp.int32),
                                logits_start, logits_len, **linear)
     return logits.astype(jnp.float32), cache
+
+
+def prefill_overlap(cfg: ModelConfig, prompt_block: int) -> int | None:
+    """How many columns consecutive prefill windows share so that a windowed prefill writes exactly the cache of
+    one pass over the whole prompt, or None when no cut is exact (the prompt then runs in one pass).
+
+    A block-causal model's prompt is in blocks of `prompt_block` positions (the sampler's prompt blocks), or of one
+    (causal) when it is a causal-prefix model's clean text. 0: blocks of one, so any cut is exact: each window
+    reads what the earlier ones left in the cache (K/V, the Gated DeltaNet state and conv tail). `prompt_block`:
+    an attention-only model with longer blocks, on each row's own positions: rows padded differently end their
+    blocks at different columns, so a window may cut a row's last block; the next window starts one block earlier
+    and writes that block again, whole (a window writes its K/V before it reads the cache, so the block sees all
+    of itself; the columns it writes again that were already final get the same values). None: a hybrid with
+    longer blocks (a Gated DeltaNet state must pass over each column once, and the block-diffusion form of the
+    earlier reconstruction reads a clean block whole)."""
+    block = 1 if cfg.causal_prefix else prompt_block
+    if block == 1:
+        return 0
+    return None if cfg.is_hybrid else block
+
+
+def prefill(run: Callable[[Any, Array | int, int], Any], cache: Any, lo: Array | int, width: int, chunk: int,
+            overlap: int | None) -> Any:
+    """Write canvas columns [lo, lo + width) (a prompt, all clean) into `cache` with `run(cache, start, w)` (the
+    caller's pass over columns [start, start + w), returning the cache), in windows of at most `chunk` columns:
+    the first holds what the others leave over, the rest are `chunk` wide and each starts `overlap` columns before
+    the previous one's end (`prefill_overlap`; at least two blocks' worth of columns are taken, so windows always
+    advance). `chunk` 0, a prompt no wider than it, or `overlap` None: one pass. The windows are one compiled
+    pass per width (`lax.fori_loop`), so memory is the widest window's."""
+    if overlap is None or chunk <= 0 or width <= max(chunk, 2 * overlap):
+        return run(cache, lo, width)
+    chunk = max(chunk, 2 * overlap)
+    stride = chunk - overlap
+    rest = -(-(width - chunk) // stride)  # windows after the first
+    first = width - rest * stride  # in (overlap, chunk]
+    cache = run(cache, lo, first)
+    return jax.lax.fori_loop(0, rest, lambda i, c: run(c, lo + first - overlap + i * stride, chunk), cache)
 
 
 def cached_pass(cfg: ModelConfig, block_length: int, first: PassFn, refine: PassFn, canvas: Array, cache: Any,
