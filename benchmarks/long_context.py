@@ -11,7 +11,8 @@ minus one pass), "gen tok/s" the 64 tokens after it (timed between the sampler's
 best of `--runs` calls of the compiled program (one call above 16K). The sampler drops the prefill's
 logits, so XLA drops what only they need: clover-tiny's one attention layer is its last, so its prefill is
 the three Gated DeltaNet layers with their MoE and the attention layer's K/V (no [prompt, prompt] scores).
-`--window N` prefills in windows of N columns through the cache instead (exact for the block-causal model).
+The prompt is prefilled in windows of `--prefill-chunk` columns through the cache (ModelConfig.prefill_chunk,
+default the model's 4,096; exact); `--prefill-chunk 0` prefills it in one pass.
 
 Table 2, at `--compare-size` (16K): the same sampler runs for three forms of the Gated DeltaNet layers: the
 block-diffusion delta rule chunked (`delta_rule_blocks_chunked`, the default above
@@ -35,7 +36,6 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["CLOVER_COMPILE_CACHE"] = "off"  # the scan mode changes a module constant, not the program's key
@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="timed runs per figure up to 16K tokens (best of)")
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--window", type=int, default=0,
-                   help="prefill in windows of this many columns, a power of two >= 32 (0: one call, the sampler's)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill in windows of this many columns (default: the model's, 4096; 0: one pass)")
     p.add_argument("--attention-sizes", type=int, nargs="*", default=[2048, 8192, 16384],
                    help="prompt lengths for table 3, the all-attention model chunked and dense (none: skip it)")
     p.add_argument("--worker", nargs=3, metavar=("KIND", "MODE", "SIZE"), help=argparse.SUPPRESS)
@@ -83,45 +83,6 @@ def _model(mode: str, length: int):
     return (cfg.replace(bd_gdn="none") if mode == "plain" else cfg), weights
 
 
-def windowed_forward(cfg, window: int):
-    """A `ModelForward` whose prompt prefill (a call wider than `window`, with a cache and no commit) runs in
-    windows of `window` columns through the cache, each against the whole cache under the block-causal mask
-    (the prompt's later windows hold later blocks: invisible to it). Other calls are the model's."""
-    import jax
-    import jax.numpy as jnp
-
-    from clover_jax.model import ModelForward, masks, transformer
-
-    @dataclass(frozen=True)
-    class WindowedForward(ModelForward):
-        window: int = 4096
-
-        def __call__(self, weights, tokens, positions, mask, cache, cache_offset, logits_start, logits_len, *,
-                     valid=None, blocks=None, commit=None):
-            b, p = tokens.shape
-            if cache is None or p <= self.window or commit is not None:
-                return super().__call__(weights, tokens, positions, mask, cache, cache_offset, logits_start,
-                                        logits_len, valid=valid, blocks=blocks, commit=commit)
-            assert self.cfg.is_block_causal and p % self.window == 0, (p, self.window)
-            extra = cache.length - p
-            keys_valid = jnp.pad(valid, ((0, 0), (0, extra)))
-            keys_blocks = jnp.pad(blocks, ((0, 0), (0, extra)), constant_values=jnp.iinfo(jnp.int32).max)
-
-            def one(i, kv):
-                lo = i * self.window
-                cut = lambda a: jax.lax.dynamic_slice_in_dim(a, lo, self.window, axis=1)
-                qv, qi = cut(valid), cut(blocks)
-                m = masks.attention_mask(qv, qi, keys_valid, keys_blocks, True)
-                out = transformer.forward(weights, self.cfg, cut(tokens), cut(positions), m, kv, lo + cache_offset,
-                                          logits_start=0, logits_len=1, dispatch=self.dispatch, valid=qv, blocks=qi)
-                return out.cache
-
-            cache = jax.lax.fori_loop(0, p // self.window, one, cache)
-            return jnp.zeros((b, logits_len, self.cfg.vocab_size), jnp.float32), cache  # (the sampler drops them)
-
-    return WindowedForward(cfg, window=window)
-
-
 def run_sampler(mode: str, size: int, args: argparse.Namespace) -> dict:
     """Prefill + generation of one random prompt through the sampler program (see the module docstring)."""
     import numpy as np
@@ -130,20 +91,21 @@ def run_sampler(mode: str, size: int, args: argparse.Namespace) -> dict:
 
     g, bl = args.gen_length, args.block_length
     cfg, weights = _model(mode, size + 2 * g + bl)
-    window = args.window or size
-    fwd = windowed_forward(cfg, window)
+    if args.prefill_chunk is not None:
+        cfg = cfg.replace(prefill_chunk=args.prefill_chunk)
+    chunk = cfg.prefill_chunk if 0 < cfg.prefill_chunk < size else size
     sc = SamplerConfig(gen_length=g, block_length=bl, steps=g, cache="prefix", eos_stop=False)
     prompt = np.random.default_rng(size).integers(4, cfg.vocab_size, size).tolist()
     best: dict = {}
     for _ in range(args.runs if size <= 16384 else 1):
         stamps: list[float] = []
-        res = generate(weights, cfg, [prompt], sc, forward_fn=fwd,
+        res = generate(weights, cfg, [prompt], sc,
                        progress=lambda toks, blk, nfe, s=stamps: s.append(time.perf_counter()))
         start = time.perf_counter() - res.stats.wall_s  # when the compiled program started (generate times it)
         per_pass = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
         prefill = stamps[0] - start - per_pass
         if not best or prefill < best["prefill_s"]:
-            best.update(prefill_s=prefill, compile_s=best.get("compile_s", res.stats.compile_s), window=window)
+            best.update(prefill_s=prefill, compile_s=best.get("compile_s", res.stats.compile_s), chunk=chunk)
         best["gen_tps"] = max(best.get("gen_tps", 0.0), (len(stamps) - 1) / (stamps[-1] - stamps[0]))
     return best
 
@@ -218,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"clover-tiny (shipped), backend {jax.default_backend()}, {os.cpu_count()} cores; sampler: "
           f"{args.gen_length} tokens in blocks of {args.block_length}, one a pass, cache=prefix, batch 1", flush=True)
     if args.sizes:
-        head = f"{'prompt':>7} {'window':>6} {'prefill s':>9} {'RSS GB':>6} {'gen tok/s':>9} {'compile s':>9}"
+        head = f"{'prompt':>7} {'chunk':>6} {'prefill s':>9} {'RSS GB':>6} {'gen tok/s':>9} {'compile s':>9}"
         print(f"\n{head}\n{'-' * len(head)}", flush=True)
         for size in args.sizes:
             r = spawn("sampler", "chunked", size, argv)
@@ -226,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{size:7d}  {r['error']}", flush=True)
                 continue
             o = r["out"]
-            print(f"{size:7d} {o['window']:6d} {o['prefill_s']:9.2f} {r['rss_gb']:6.2f} {o['gen_tps']:9.1f} "
+            print(f"{size:7d} {o['chunk']:6d} {o['prefill_s']:9.2f} {r['rss_gb']:6.2f} {o['gen_tps']:9.1f} "
                   f"{o['compile_s']:9.1f}", flush=True)
     if args.attention_sizes:
         head = f"{'all-attention, attention':28} {'prompt':>7} {'prefill s':>9} {'RSS GB':>6} {'gen tok/s':>9}"

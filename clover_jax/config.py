@@ -107,9 +107,10 @@ class ModelConfig:
     # one chunk pair's scores); "auto" chunks when both the queries and the keys are longer than one chunk.
     attention_impl: str = "auto"
     attention_chunk: int = 1024
-    # A prompt longer than `prefill_chunk` columns is written into the cache in windows of that many (the sampler
-    # and the server; `sampler.step.prefill`), so a prefill's activations are bounded whatever the prompt's length;
-    # exact (block-causal attention-only models repeat one block per window). 0: the whole prompt in one pass.
+    # Prompts are written into the cache in windows of `prefill_chunk` tokens over all rows (the sampler's B rows
+    # share it: prefill_chunk / B columns, at least 64; the server's one row takes them all; `sampler.step.prefill`),
+    # so a prefill's activations are bounded whatever the prompt's length and the batch; exact (block-causal
+    # attention-only models write one block again per window). 0: the whole prompt in one pass.
     prefill_chunk: int = 4096
 
     def __post_init__(self) -> None:

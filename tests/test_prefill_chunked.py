@@ -101,6 +101,18 @@ def test_a_windowed_prefill_gives_the_tokens_of_one_pass(name, grid):
     np.testing.assert_allclose(chunked.logits, whole.logits, atol=2e-4, rtol=1e-4)
 
 
+def test_the_rows_of_a_batch_share_the_budget():
+    cfg = get_config("test-clover-prefix")
+    cols = lambda chunk, rows: denoise.prefill_columns(cfg.replace(prefill_chunk=chunk), rows)
+    assert (cols(4096, 1), cols(4096, 8), cols(4096, 32), cols(4096, 256)) == (4096, 512, 128, 64)
+    assert (cols(12, 2), cols(0, 4)) == (12, 0)  # a budget below the floor is taken whole; 0 stays one pass
+    sc = SamplerConfig(gen_length=16, block_length=8, steps=16)
+    prompts = [list(range(5, 160)), list(range(3, 120))]
+    whole, _ = _run("test-clover-prefix", 0, sc, prompts)
+    shared, seen = _run("test-clover-prefix", 128, sc, prompts)  # two rows: 64 columns a window
+    assert max(seen) == 64 and shared.tokens == whole.tokens
+
+
 def test_self_speculative_decoding_prefills_in_windows_too():
     sc = SamplerConfig(gen_length=16, block_length=8, self_speculative=True)
     whole, _ = _run("test-clover-prefix", 0, sc, PROMPTS[:1])

@@ -31,9 +31,9 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-chunk", type=_columns(1), default=None,
                    help="columns per query / key chunk of chunked attention (default: the model's, 1024)")
     p.add_argument("--prefill-chunk", type=_columns(0), default=None,
-                   help="write a longer prompt into the cache in passes of this many columns, so a prefill's "
-                        "memory does not grow with the prompt (exact; 0: the whole prompt in one pass; default: the "
-                        "model's, 4096)")
+                   help="write prompts into the cache in passes of this many tokens over all rows (a batch of B "
+                        "shares it: N / B columns, at least 64), so a prefill's memory grows with neither the prompt "
+                        "nor the batch (exact; 0: the whole prompt in one pass; default: the model's, 4096)")
 
 
 FLAG_FIELDS = (("attention", "attention_impl"), ("attention_chunk", "attention_chunk"),

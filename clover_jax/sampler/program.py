@@ -269,7 +269,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
             cache = jax.lax.with_sharding_constraint(cache, kv_cache.shardings(cache, spec.mesh))
         if not bidir:  # block-causal: the prompt's K/V never change, encode them once (in windows: `prefill`)
             window = lambda c, lo, w: call(canvas, c, lo, w, 0, noisy_from=p, logits_len=1)[1]
-            cache = denoise.prefill(window, cache, 0, p, cfg.prefill_chunk, denoise.prefill_overlap(cfg, prompt_block))
+            cache = denoise.prefill(window, cache, 0, p, denoise.prefill_columns(cfg, spec.model_rows),
+                                    denoise.prefill_overlap(cfg, prompt_block))
             nfe = jnp.int32(1)
     rec = jnp.zeros((b, g, cfg.vocab_size), jnp.float32) if spec.record_logits else None
     st = _State(canvas, cache, rec, jax.random.key(knobs.seed), jnp.int32(0), jnp.int32(0), nfe, jnp.int32(0),

@@ -79,7 +79,7 @@ def run_speculative(spec: Any, forward_fn: ForwardFn, weights: Any, prompt: Arra
     cache = forward_fn.init_cache(1, s)
     if p > 1:  # the prompt but its last token, causally: that token is the first round's known one
         cache = denoise.prefill(lambda c, lo, w: call(canvas, c, lo, w, 0, 1, None, p - 1)[1], cache, 0, p - 1,
-                                cfg.prefill_chunk, 0)
+                                denoise.prefill_columns(cfg, 1), 0)
 
     def round_(r: _Round) -> _Round:
         lo, n = r.done, r.known

@@ -3,8 +3,8 @@
 
     window_pass   the model on one window of the canvas: the window's tokens, its attention mask (from each
                   column's validity and block id), the Gated DeltaNet extras, float32 logits
-    prefill       a prompt's columns written into the cache in windows of at most `ModelConfig.prefill_chunk`
-                  columns (activation memory bounded whatever the prompt's length), exact
+    prefill       a prompt's columns written into the cache in windows of `ModelConfig.prefill_chunk` tokens over
+                  all rows (`prefill_columns`; activation memory bounded whatever the prompt's length), exact
     cached_pass   which window a block-causal pass with a cache runs: the block's first step runs
                   [block j-1, block j] (block j-1 is final now: its K/V are written and the Gated DeltaNet state
                   advances over it), later steps run block j alone against the cache (nothing written back)
@@ -89,6 +89,17 @@ def prefill_overlap(cfg: ModelConfig, prompt_block: int) -> int | None:
     if block == 1:
         return 0
     return None if cfg.is_hybrid else block
+
+
+MIN_PREFILL_COLUMNS = 64  # a prefill window is never narrower, however many rows share it
+
+
+def prefill_columns(cfg: ModelConfig, rows: int) -> int:
+    """The columns of a prefill window over `rows` rows: `cfg.prefill_chunk` tokens shared by the rows (so a
+    window's activations are the same whatever the batch), at least `MIN_PREFILL_COLUMNS` (or the whole budget
+    when it is smaller); 0 (one pass) when `cfg.prefill_chunk` is 0."""
+    budget = cfg.prefill_chunk
+    return max(budget // max(rows, 1), min(budget, MIN_PREFILL_COLUMNS)) if budget > 0 else 0
 
 
 def prefill(run: Callable[[Any, Array | int, int], Any], cache: Any, lo: Array | int, width: int, chunk: int,

@@ -168,7 +168,7 @@ def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str
     """Row `slot` := a new request (canvas / valid / blocks [S], its knobs with [] leaves, its blocks). With the
     prefix cache, also its prompt's K/V (and Gated DeltaNet state), written from the `width` columns before its
     first block, which hold the whole prompt (`width` is static, one of the engine's prefill widths), in windows of
-    at most `cfg.prefill_chunk` columns (`step.prefill`)."""
+    `cfg.prefill_chunk` columns (`step.prefill`)."""
     s, bl = canvas.shape[0], block_length
 
     def put(x: Array, row: Array) -> Array:
@@ -182,7 +182,7 @@ def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str
         def run(c: Any, lo: Array | int, w: int) -> Any:
             return denoise.window_pass(forward_fn, weights, cfg, canvas[None], v, ids, pos, c, lo, w, 0, 1)[1]
 
-        one = denoise.prefill(run, forward_fn.init_cache(1, s), s - bl - width, width, cfg.prefill_chunk,
+        one = denoise.prefill(run, forward_fn.init_cache(1, s), s - bl - width, width, denoise.prefill_columns(cfg, 1),
                               denoise.prefill_overlap(cfg, cfg.block_size))
         kv = kv_cache.write_row(kv, one, slot)
     return SlotState(put(state.canvas, canvas), put(state.valid, valid), put(state.blocks, blocks), kv,
