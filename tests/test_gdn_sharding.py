@@ -161,7 +161,9 @@ def test_sharded_two_stream_training_equals_one_device(mesh, weights):
     assert float(ls) == pytest.approx(float(l1), rel=1e-5)
     for name, a in params.named_leaves(gs.linear_layers.attn):
         b = np.asarray(getattr(g1.linear_layers.attn, name))
-        np.testing.assert_allclose(np.asarray(a), b, atol=1e-5 * float(np.abs(b).max()) + 1e-6, err_msg=name)
+        # (a bias's gradient sums every position's share; the mesh sums them in another order: 1.35e-5 relative
+        # seen on one CPU kind, while a mis-sharded weight is off by its whole size)
+        np.testing.assert_allclose(np.asarray(a), b, atol=5e-5 * float(np.abs(b).max()) + 1e-6, err_msg=name)
 
 
 # ---- checkpoints written before the grouping ---------------------------------------------------------------

@@ -3,6 +3,8 @@ the cache in windows gives the tokens and logits of one pass over it, for every 
 (causal-prefix hybrids, block-causal attention-only models on both block grids, left-padded rows of different
 lengths, self-speculative decoding, the serving engine), and its passes are never wider than a window."""
 
+import collections
+import importlib
 from dataclasses import dataclass
 
 import jax
@@ -15,6 +17,8 @@ from clover_jax.errors import ConfigError
 from clover_jax.model import ModelForward, params
 from clover_jax.sampler import SamplerConfig, generate
 from clover_jax.sampler import step as denoise
+
+sampler_generate = importlib.import_module("clover_jax.sampler.generate")  # the module, not the function
 
 
 @pytest.mark.parametrize("width, chunk, overlap", [(37, 8, 0), (64, 16, 0), (40, 16, 8), (41, 20, 4), (9, 8, 0)])
@@ -188,6 +192,8 @@ def test_the_flag_reaches_the_prefill_and_keeps_the_text(capsys, monkeypatch):
         return real(run, cache, lo, width, chunk, overlap)
 
     monkeypatch.setattr(denoise, "prefill", noted)
+    # no program compiled by an earlier test in this process (same shapes) may stand in for the traced one
+    monkeypatch.setattr(sampler_generate, "_PROGRAMS", collections.OrderedDict())
     prompt = "ROMEO: " + "What light through yonder window breaks? " * 3  # longer than 16 columns
     texts = []
     for extra in ([], ["--prefill-chunk", "16"]):
