@@ -16,6 +16,13 @@ one warm-up call per shape). `--pass-scaling` only times the model's refinement 
 closed-loop clients on an `Engine` in this process (no HTTP), which separates what the batching gives
 from what the HTTP layer costs. Prints figures; asserts nothing about time.
 
+    python benchmarks/serve.py --burst 16            # 16 requests at once: prefilled together or one at a time
+
+`--burst N` runs an `Engine` in this process twice, `--prefill-rows` 1 and then 4 (`--burst-rows`): N requests
+with prompts of about `--burst-prompt` tokens, all queued before the scheduler starts, so the first admission takes
+as many as there are rows. Prints per setting the engine's compile time, the admission (prefill) calls, the time
+until each request's first block (p50 / last) and until all finished.
+
     python benchmarks/serve.py --soak 10             # 10 minutes of mixed traffic, then the ledger
 
 `--soak MINUTES` instead runs `clover serve` with an API key ($CLOVER_API_KEY), --request-timeout
@@ -74,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak-timeout", type=float, default=10.0,
                    help="the server's --request-timeout during the soak, seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the soak's request mix")
+    p.add_argument("--burst", type=int, default=None, metavar="N", help="N requests queued at once (see above)")
+    p.add_argument("--burst-prompt", type=int, default=200, metavar="TOKENS", help="their prompts' length")
+    p.add_argument("--burst-rows", type=int, nargs="+", default=[1, 4], metavar="K",
+                   help="the --prefill-rows settings compared (default 1 4)")
     return p.parse_args(argv)
 
 
@@ -218,6 +229,57 @@ def engine_runs(args: argparse.Namespace) -> list[dict]:
                      "rows_per_block": (after.rows_in_blocks - before.rows_in_blocks) / max(blocks, 1)})
         print(json.dumps(rows[-1]), flush=True)
     eng.drain()
+    return rows
+
+
+def burst(args: argparse.Namespace) -> list[dict]:
+    """`--burst`: N requests queued before the scheduler starts, admitted K at a time (`Engine.prefill_rows`)."""
+    from clover_jax.loading import default_model, open_model
+    from clover_jax.serving.engine import Engine
+    from clover_jax.serving.requests import Request
+
+    cfg, weights, tok, _ = open_model(args.model or default_model())
+    text = " ".join(PROMPTS) * 64
+    ids = tok.encode(text)
+    prompts = [tuple(ids[i * 7:i * 7 + args.burst_prompt]) for i in range(args.burst)]  # each its own text
+    n, rows = args.burst, []
+    for k in args.burst_rows:
+        eng = Engine(weights, cfg, max_prompt=args.burst_prompt, max_tokens=args.max_tokens,
+                     batch_sizes=tuple(args.batch_sizes), prefill_rows=k)
+        t0 = time.perf_counter()
+        eng.warm_up()
+        compile_s = time.perf_counter() - t0
+        first: dict[int, float] = {}
+        done = threading.Semaphore(0)
+
+        def sink(i: int, first: dict[int, float] = first, done: threading.Semaphore = done) -> Callable[[Any], None]:
+            def on_event(ev: Any) -> None:
+                first.setdefault(i, time.perf_counter())
+                if ev.finish_reason:
+                    done.release()
+            return on_event
+
+        for i, p in enumerate(prompts):
+            eng.submit(Request(p, args.max_tokens), sink(i))
+        t0 = time.perf_counter()
+        eng.start()
+        for _ in range(n):
+            done.acquire()
+        wall = time.perf_counter() - t0
+        st = eng.stats()
+        eng.drain()
+        ttfb = sorted(t - t0 for t in first.values())
+        rows.append({"prefill_rows": k, "requests": n, "prompt": args.burst_prompt, "compile_s": compile_s,
+                     "prefill_calls": st.prefill_calls, "ttfb_p50_s": pct(ttfb, 50), "ttfb_last_s": ttfb[-1],
+                     "wall_s": wall})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{n} requests at once, prompts of {args.burst_prompt} tokens, {args.max_tokens} tokens each, buckets "
+          f"{args.batch_sizes}")
+    print("| --prefill-rows | compile | admission calls | p50 first block | last first block | all done |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prefill_rows']} | {r['compile_s']:.1f} s | {r['prefill_calls']} | {r['ttfb_p50_s']:.2f} s "
+              f"| {r['ttfb_last_s']:.2f} s | {r['wall_s']:.2f} s |")
     return rows
 
 
@@ -578,6 +640,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.soak is not None:
         raise SystemExit(soak(args))
+    if args.burst is not None:
+        burst(args)
+        return
     proc, port, ready_s = start_server(args)
     print(f"server ready after {ready_s:.1f} s (load + compile of every bucket)")
     rows = []

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import jax
+import numpy as np
 import pytest
 
 from clover_jax import shipped
@@ -21,6 +23,7 @@ from clover_jax.checkpoint import load_model
 from clover_jax.config import get_config
 from clover_jax.model import params
 from clover_jax.sampler import SamplerConfig, generate
+from clover_jax.sampler.settings import knobs
 from clover_jax.serving.engine import Engine
 from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, Request, ServingError
 from clover_jax.tokenizer import load_tokenizer
@@ -90,9 +93,12 @@ def test_warm_up_lists_every_program(shipped_engine):
     _, _, lines = shipped_engine
     assert [line.split(":")[0] for line in lines] == [
         "block program for 1 row x 96 columns (prefix cache)", "block program for 4 rows x 96 columns (prefix cache)",
-        "prefill program for prompts up to 32 tokens", "prefill program for prompts up to 64 tokens"]
-    # each says how far the start-up is: i of the 5 programs (the row move program is the silent fifth)
-    assert [re.search(r"\[(\d)/5 programs", line).group(1) for line in lines] == ["1", "2", "3", "4"]
+        "prefill program for prompts up to 32 tokens", "prefill program for prompts up to 32 tokens, 2 at a time",
+        "prefill program for prompts up to 32 tokens, 4 at a time", "prefill program for prompts up to 64 tokens",
+        "prefill program for prompts up to 64 tokens, 2 at a time",
+        "prefill program for prompts up to 64 tokens, 4 at a time"]
+    # each says how far the start-up is: i of the 9 programs (the row move program is the silent ninth)
+    assert [re.search(r"\[(\d)/9 programs", line).group(1) for line in lines] == [str(i) for i in range(1, 9)]
     assert all("s left]" in line for line in lines)
 
 
@@ -129,6 +135,69 @@ def test_mixed_requests_equal_each_run_alone(shipped_engine):
         assert len(got) <= r.max_tokens
         assert col.reason(i) == ("length" if len(got) == r.max_tokens else "stop")
     assert after.tokens_generated - before.tokens_generated == sum(len(col.tokens(i)) for i in range(len(reqs)))
+
+
+def test_queued_requests_are_prefilled_together(shipped_engine):
+    """Three requests queued at once (prompts of different lengths, different settings) are admitted by one call
+    whose prefill runs their prompts as one batch (padded to the 4-row program); each gets its tokens alone."""
+    eng, tok, _ = shipped_engine
+    texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou", "First Citizen:\nBefore we proceed"]
+    reqs = [request_of(tuple(tok.encode(t)), m, threshold=th, temperature=temp, seed=7)
+            for t, m, th, temp in zip(texts, [40, 64, 33], [0, 0.5, 0], [0, 0, 0.7], strict=True)]
+    col = Collector()
+    before = eng.stats()
+    with eng._lock:  # (the scheduler's condition, reentrant): it sees the three only once all are queued
+        for i, r in enumerate(reqs):
+            eng.submit(r, col.sink(i))
+    col.wait([0, 1, 2])
+    after = eng.stats()
+    assert (after.prefill_calls - before.prefill_calls, after.rows_prefilled - before.rows_prefilled) == (1, 3)
+    for i, r in enumerate(reqs[:2]):  # greedy: `generate`'s tokens
+        assert col.tokens(i) == alone(eng.weights, eng.cfg, list(r.prompt), r), f"request {i} ({texts[i]!r})"
+    eng.submit(reqs[2], col.sink(3))  # seeded sampling: its tokens when the engine admits it alone
+    col.wait([3])
+    assert col.tokens(2) == col.tokens(3) and eng.stats().prefill_calls == after.prefill_calls + 1
+
+
+def test_admissions_group_by_prompt_width():
+    cfg = get_config("clover-tiny")
+    eng = Engine(None, cfg, max_prompt=100, max_tokens=32, batch_sizes=(1, 8), prefill_rows=4)
+    assert (eng.widths, eng.admit_rows) == ((32, 64, 128), (1, 2, 4))
+    lengths = [10, 70, 20, 5, 30, 90, 8]  # widths 32, 128, 32, 32, 32, 128, 32
+    admitted = [(slot, SimpleNamespace(req=SimpleNamespace(prompt=(3,) * n))) for slot, n in enumerate(lengths)]
+    groups = [[slot for slot, _ in g] for g in eng._groups(admitted)]
+    assert groups == [[0, 2, 3, 4], [6], [1, 5]]  # at most 4 to a call, queue order within a width
+    assert Engine(None, cfg, batch_sizes=(1, 8), prefill_rows=6).admit_rows == (1, 2, 4, 6)
+    assert Engine(None, cfg, batch_sizes=(1, 2), prefill_rows=6).admit_rows == (1, 2)  # never more than the rows
+    with pytest.raises(ServingError, match="prefill_rows must be a positive integer"):
+        Engine(None, cfg, prefill_rows=0)
+
+
+def test_a_padding_row_of_an_admission_writes_nothing():
+    """`program.admit` with a slot past the state's rows (the engine's padding) leaves every row but the real
+    ones as they were: canvas, activity, settings and cache."""
+    from clover_jax.model import ModelForward
+    from clover_jax.serving import program
+
+    cfg = get_config("test-clover")
+    weights = params.init(cfg, jax.random.key(0))
+    fwd = ModelForward(cfg)
+    eng = Engine(weights, cfg, block_length=8, max_prompt=8, max_tokens=8, batch_sizes=(3,))
+    state = program.empty_state(cfg, fwd, 3, eng.columns, 8, "prefix")
+    job = Request((5, 6, 7), 8, SamplerConfig(temperature=0.5, seed=3))
+    row = eng._row(job.prompt)
+    kn = jax.tree.map(lambda *x: np.stack(x), *[knobs(job.row_settings(8), cfg)] * 2)
+    got = program.admit(cfg, fwd, 8, "prefix", 8, weights, state, np.array([1, 3], np.int32),
+                        *(np.stack([x, x]) for x in row), kn, np.array([1, 1], np.int32))
+    assert np.asarray(got.active).tolist() == [False, True, False]
+    for name in ("canvas", "valid", "blocks"):
+        new, old = np.asarray(getattr(got, name)), np.asarray(getattr(state, name))
+        np.testing.assert_array_equal(new[1], row[("canvas", "valid", "blocks").index(name)])
+        np.testing.assert_array_equal(new[[0, 2]], old[[0, 2]], err_msg=name)
+    assert float(got.knobs.temperature[1]) == 0.5 and float(got.knobs.temperature[2]) != 0.5
+    for new, old in zip(jax.tree.leaves(got.cache), jax.tree.leaves(state.cache), strict=True):
+        assert np.abs(np.asarray(new[:, 1], np.float32)).max() > 0  # the prompt's K/V and states were written
+        np.testing.assert_array_equal(np.asarray(new[:, [0, 2]]), np.asarray(old[:, [0, 2]]))
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(shipped_engine):

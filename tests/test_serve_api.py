@@ -29,6 +29,7 @@ from starlette.testclient import TestClient
 
 from clover_jax import cli
 from clover_jax.commands import serve as serve_cmd
+from clover_jax.errors import UsageError
 from clover_jax.sampler import SamplerConfig
 from clover_jax.serving.api import make_app, set_draining
 from clover_jax.serving.chat import plain_prompt
@@ -60,6 +61,8 @@ class FakeStats:
     capacity: int
     blocks_run: int
     rows_in_blocks: int
+    prefill_calls: int = 0
+    rows_prefilled: int = 0
 
 
 @dataclass
@@ -87,6 +90,7 @@ class FakeEngine:
     max_tokens: int = 64
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     queue_size: int = 8
+    prefill_rows: int = 4
     cache: str = "prefix"
     delay: float = 0.0
     dispatch: Any = None
@@ -658,9 +662,12 @@ def test_engine_kwargs():
     args = cli.build_parser().parse_args(["serve", "--batch-sizes", "4", "1", "4", "--max-tokens", "256"])
     kw = serve_cmd.engine_kwargs(args, None)
     assert kw == {"batch_sizes": (1, 4), "cache": "auto", "queue_size": 256, "dispatch": None, "mesh": None,
-                  "max_tokens": 256, "self_speculative": False}
-    args = cli.build_parser().parse_args(["serve", "--self-speculative"])
+                  "max_tokens": 256, "self_speculative": False, "prefill_rows": 4}
+    args = cli.build_parser().parse_args(["serve", "--self-speculative", "--prefill-rows", "2"])
     assert serve_cmd.engine_kwargs(args, None)["self_speculative"] is True
+    assert serve_cmd.engine_kwargs(args, None)["prefill_rows"] == 2
+    with pytest.raises(UsageError, match="--prefill-rows must be >= 1, got 0"):
+        serve_cmd.check_flags(cli.build_parser().parse_args(["serve", "--prefill-rows", "0"]))
 
 
 def test_model_defaults_fill_what_a_request_leaves_out():

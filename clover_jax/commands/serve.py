@@ -66,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default: the engine's)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="most tokens a request may ask for (default: the engine's)")
+    p.add_argument("--prefill-rows", type=int, default=4, metavar="N",
+                   help="queued requests admitted together, their prompts prefilled as one batch (default 4; "
+                        "1: one at a time; each size up to N is a compiled program per prompt width)")
     p.add_argument("--queue-size", type=int, default=256,
                    help="requests that may wait for a batch row; more get HTTP 429 (default 256)")
     p.add_argument("--cache", choices=CACHE_MODES, default="auto",
@@ -114,6 +117,7 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--batch-sizes must all be >= 1, got {' '.join(map(str, args.batch_sizes))}")
     for flag, value in (("--block-length", args.block_length), ("--max-prompt", args.max_prompt),
                         ("--max-tokens", args.max_tokens), ("--queue-size", args.queue_size),
+                        ("--prefill-rows", args.prefill_rows),
                         ("--max-messages", args.max_messages), ("--max-n", args.max_n)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
@@ -259,7 +263,7 @@ def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
                               "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh,
-                              "self_speculative": args.self_speculative}
+                              "self_speculative": args.self_speculative, "prefill_rows": args.prefill_rows}
     if args.block_length is not None:
         kwargs["block_length"] = args.block_length
     if args.max_prompt is not None:

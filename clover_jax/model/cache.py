@@ -122,6 +122,15 @@ def write_row(big: KVCache | None, one: KVCache | None, row: Array) -> KVCache |
                         big, one)
 
 
+def write_rows(big: KVCache | None, new: KVCache | None, rows: Array) -> KVCache | None:
+    """`big` with rows `rows` [k] replaced by the k rows of `new`, in order; an index outside `big`'s rows writes
+    nothing (a padding row)."""
+    if big is None:
+        return None
+    at = (slice(None),) * _ROWS + (rows,)
+    return jax.tree.map(lambda x, y: x.at[at].set(y.astype(x.dtype), mode="drop"), big, new)
+
+
 def move_row(cache: KVCache | None, src: Array, dst: Array) -> KVCache | None:
     """Row `dst` := row `src` in every leaf."""
     def move(x: Array) -> Array:

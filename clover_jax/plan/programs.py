@@ -283,7 +283,7 @@ def plan_generate(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len:
     return plan
 
 
-def serve_programs(engine: Any, weights: Any) -> dict[tuple[str, int], tuple[Any, tuple]]:
+def serve_programs(engine: Any, weights: Any) -> dict[tuple[Any, ...], tuple[Any, tuple]]:
     """What `clover plan --serve` compiles: the engine's own programs (`Engine.programs`, the ones `clover serve`
     compiles before it listens) with `weights` and the engine's state as ShapeDtypeStructs in their shardings."""
     state = serving_program.abstract_state(engine.cfg, engine.forward_fn, engine.capacity, engine.columns,
@@ -335,7 +335,7 @@ def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: in
         programs[0].compiled = compile_jitted(*compiled["block", rows], mesh.mesh)
         if mode == "prefix" and programs[0].compiled.ok:
             say(f"compiling the serving prefill program ({engine.widths[-1]} columns) for {layout.topology}")
-            programs[1].compiled = compile_jitted(*compiled["prefill", engine.widths[-1]], mesh.mesh)
+            programs[1].compiled = compile_jitted(*compiled["prefill", engine.widths[-1], 1], mesh.mesh)
     g = s - -(-prompt_len // bl) * bl
     plan = ProgramPlan("serve", cfg, layout, spec_chip, fwd.dispatch if not abstract else
                        (dispatch or "chosen on the devices"), rows, prompt_len, s - g, gen_len, g, bl, mode,

@@ -4,14 +4,15 @@ scheduler thread that runs one compiled block program per batch bucket (`serving
 Contract:
   * `Engine(weights, cfg, ...)` checks the model and the settings (ServingError, before any compile);
     `warm_up(log)` compiles every program the engine will ever run (one `advance` per batch bucket,
-    one `admit` per prompt width, one `move`), so nothing compiles while serving;
+    one `admit` per prompt width and admission size, one `move`), so nothing compiles while serving;
   * `submit(request, on_event)` validates the request (BadRequest), queues it (QueueFull when the queue
     holds `queue_size`, Draining once `drain` began) and returns its id. `on_event(Event)` is called
     from the scheduler thread after every block the request committed; its last event has a
     finish_reason ("stop", "length", "cancelled", or "error" if the device program failed) and every
     event says how long the request waited for a row (`Event.queued_s`);
-  * between two block calls the scheduler admits queued requests into free rows (their prompt is
-    prefilled then) and drops cancelled ones; running rows stay in [0, n) and the call runs the
+  * between two block calls the scheduler admits queued requests into free rows and drops cancelled
+    ones; requests whose prompts share a prefill width are admitted together, up to `prefill_rows` in
+    one call whose prefill runs their prompts as one batch; running rows stay in [0, n) and the call runs the
     smallest bucket that holds n, so one request alone runs at batch 1;
   * a request's tokens depend only on itself (its own knobs and random key, exact caches), never on
     what else shares the batch;
@@ -61,11 +62,18 @@ class EngineStats:
     capacity: int  # the largest batch bucket
     blocks_run: int  # block-program calls
     rows_in_blocks: int  # sum over block calls of the rows that ran a request
+    prefill_calls: int = 0  # admission calls (each prefills one or more new requests' prompts together)
+    rows_prefilled: int = 0  # requests admitted by them
 
     @property
     def tokens_per_pass(self) -> float:
         """Tokens committed per forward pass per request: the parallelism of decoding."""
         return self.tokens_generated / self.row_passes if self.row_passes else 0.0
+
+    @property
+    def mean_rows_per_prefill(self) -> float:
+        """Requests per admission call: how many queued prompts each prefill took together."""
+        return self.rows_prefilled / self.prefill_calls if self.prefill_calls else 0.0
 
     @property
     def mean_rows_per_block(self) -> float:
@@ -95,6 +103,8 @@ class _Counters:
     row_passes: int = 0
     blocks: int = 0
     rows_in_blocks: int = 0
+    prefill_calls: int = 0
+    rows_prefilled: int = 0
     spec_running: int = 0  # self-speculative requests on their lane now
 
 
@@ -119,6 +129,7 @@ class Engine:
     forward_fn: ForwardFn | None = None
     admit_window_s: float = 0.02  # after rows freed: wait this long (at most 5% of a block) for new requests
     self_speculative: bool = False  # also serve self-speculative requests (a causal-prefix model's; see above)
+    prefill_rows: int = 4  # queued requests admitted (and their prompts prefilled) together in one call, at most
     _lock: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +164,11 @@ class Engine:
                  "self-speculative decoding needs its causal model to check the drafts")
             need(self.cache == "prefix", f"self-speculative decoding needs the prefix cache, not {self.cache!r}")
         need(self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}")
+        need(isinstance(self.prefill_rows, int) and self.prefill_rows >= 1,
+             f"prefill_rows must be a positive integer, got {self.prefill_rows!r}")
+        # the admission programs' rows: powers of two up to prefill_rows (and the capacity), and prefill_rows
+        top = min(self.prefill_rows, sizes[-1])
+        self.admit_rows = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))
         if self.forward_fn is None:
             if self.dispatch is None and self.mesh is not None:  # on a mesh: its expert-parallel strategy
                 self.dispatch = choose_dispatch(self.mesh)
@@ -170,7 +186,7 @@ class Engine:
         self._block_s = 0.0  # wall time of the last block call
         self._thread: threading.Thread | None = None
         self._advance: dict[int, Any] = {}
-        self._admit: dict[int, Any] = {}
+        self._admit: dict[tuple[int, int], Any] = {}  # (prompt width, rows) -> the admission program
         self._move: Any = None
         self._state: program.SlotState | None = None
         self._spec_queue: collections.deque[_Job] = collections.deque()
@@ -184,9 +200,10 @@ class Engine:
         """Rows: the largest batch bucket."""
         return self.batch_sizes[-1]
 
-    def programs(self, weights: Any, state: program.SlotState) -> dict[tuple[str, int], tuple[Any, tuple]]:
+    def programs(self, weights: Any, state: program.SlotState) -> dict[tuple[Any, ...], tuple[Any, tuple]]:
         """Every program the engine runs, as {key: (jitted function, its arguments)}: ("block", rows) per batch
-        bucket, ("prefill", width) per prompt width (one, ("prefill", 0), with cache none) and ("move", 0). `weights`
+        bucket, ("prefill", width, rows) per prompt width (width 0 with cache none) and admission size
+        (`admit_rows`), ("move", 0) and, serving self-speculative requests, (`speculative.KIND`, width). `weights`
         and `state` may be concrete (`warm_up` compiles them to run) or abstract (`clover plan --serve` compiles
         them for a TPU slice): both compile the same functions with the same shardings."""
         cfg, fwd, bl, mode, mesh = self.cfg, self.forward_fn, self.block_length, self.cache, self.mesh
@@ -195,21 +212,25 @@ class Engine:
             out["block", b] = (program.block_program(cfg, fwd, bl, mode, b, state, mesh),
                                (weights, state, jax.ShapeDtypeStruct((b,), jnp.bool_)))
         for w in (self.widths if mode == "prefix" else (0,)):
-            out["prefill", w] = (program.prefill_program(cfg, fwd, bl, mode, w, state, mesh),
-                                 (weights, state, *program.row_args(state)))
+            fn = program.prefill_program(cfg, fwd, bl, mode, w, state, mesh)
+            for k in self.admit_rows:
+                out["prefill", w, k] = (fn, (weights, state, *program.row_args(state, k)))
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         out["move", 0] = (program.move_program(state, mesh), (state, scalar, scalar))
         if self.self_speculative:
             out.update(speculative.programs(cfg, fwd, bl, self.widths, self.spec_columns, weights, mesh))
         return out
 
-    def describe(self, key: tuple[str, int]) -> str:
+    def describe(self, key: tuple[Any, ...]) -> str:
         """What a program of `programs` is, in words."""
-        kind, n = key
+        kind, n = key[:2]
         if kind == "block":
             return f"block program for {n} row{'s' if n > 1 else ''} x {self.columns} columns ({self.cache} cache)"
         if kind == "prefill":
-            return f"prefill program for prompts up to {n} tokens" if self.cache == "prefix" else "row program"
+            k = key[2]
+            together = f", {k} at a time" if k > 1 else ""
+            return (f"prefill program for prompts up to {n} tokens{together}" if self.cache == "prefix"
+                    else f"admission program for {k} row{'s' if k > 1 else ''}")
         if kind == speculative.KIND:
             return f"self-speculative program for prompts up to {n} tokens"
         return "row move program"
@@ -226,11 +247,11 @@ class Engine:
         for i, (key, (fn, args)) in enumerate(programs.items(), 1):
             t0 = time.perf_counter()
             exe = fn.lower(*args).compile()
-            kind, size = key  # rows of a block program, prompt width of a prefill program
+            kind, size = key[:2]  # rows of a block program, prompt width of a prefill program
             if kind == "block":
                 self._advance[size] = exe
             elif kind == "prefill":
-                self._admit[size] = exe
+                self._admit[size, key[2]] = exe
             elif kind == speculative.KIND:
                 self._spec[size] = exe
             else:
@@ -304,7 +325,8 @@ class Engine:
             c = self._count
             return EngineStats(c.admitted, c.finished, c.tokens, c.program_passes, c.row_passes,
                                len(self._queue) + len(self._spec_queue), sum(j is not None for j in self._slots)
-                               + c.spec_running, self.capacity, c.blocks, c.rows_in_blocks)
+                               + c.spec_running, self.capacity, c.blocks, c.rows_in_blocks, c.prefill_calls,
+                               c.rows_prefilled)
 
     @property
     def draining(self) -> bool:
@@ -361,8 +383,8 @@ class Engine:
                     self._count.admitted += 1
                 running = list(self._slots[:self._n_running()])
             try:
-                for slot, job in admitted:
-                    self._prefill(slot, job)
+                for group in self._groups(admitted):
+                    self._prefill(group)
                 self._block(running)
             except Exception as e:  # a device failure: every running request ends, the engine goes on
                 self._fail(running, e)
@@ -407,11 +429,36 @@ class Engine:
         """Rows in use: running requests are kept in slots [0, n)."""
         return next((i for i, j in enumerate(self._slots) if j is None), len(self._slots))
 
-    def _prefill(self, slot: int, job: _Job) -> None:
-        canvas, valid, ids = self._row(job.req.prompt)
-        width = next(w for w in self.widths if w >= len(job.req.prompt)) if self.cache == "prefix" else 0
-        self._state = self._admit[width](self.weights, self._state, np.int32(slot), canvas, valid, ids,
-                                         knobs(job.settings, self.cfg), np.int32(job.settings.n_blocks))
+    def _width(self, job: _Job) -> int:
+        """The prefill width of `job`'s prompt (0 without a cache: nothing is prefilled)."""
+        n = len(job.req.prompt)
+        return next(w for w in self.widths if w >= n) if self.cache == "prefix" else 0
+
+    def _groups(self, admitted: list[tuple[int, _Job]]) -> list[list[tuple[int, _Job]]]:
+        """The admitted rows in admission calls: by prompt width (a short prompt never pays for a long one's
+        columns), at most `admit_rows[-1]` to a call, in the order they were queued."""
+        by_width: dict[int, list[tuple[int, _Job]]] = {}
+        for slot, job in admitted:
+            by_width.setdefault(self._width(job), []).append((slot, job))
+        top = self.admit_rows[-1]
+        return [rows[i:i + top] for rows in by_width.values() for i in range(0, len(rows), top)]
+
+    def _prefill(self, group: list[tuple[int, _Job]]) -> None:
+        """Admit `group`'s requests in one call (their prompts prefilled together), padded to an admission size
+        with copies of its first request aimed at no row."""
+        k = next(r for r in self.admit_rows if r >= len(group))
+        pad = k - len(group)
+        slots = np.array([slot for slot, _ in group] + [self.capacity] * pad, np.int32)
+        jobs = [job for _, job in group]
+        jobs += jobs[:1] * pad
+        canvas, valid, ids = (np.stack(x) for x in zip(*(self._row(j.req.prompt) for j in jobs), strict=True))
+        row_knobs = jax.tree.map(lambda *x: np.stack(x), *(knobs(j.settings, self.cfg) for j in jobs))
+        n_blocks = np.array([j.settings.n_blocks for j in jobs], np.int32)
+        self._state = self._admit[self._width(group[0][1]), k](self.weights, self._state, slots, canvas, valid, ids,
+                                                                row_knobs, n_blocks)
+        with self._lock:
+            self._count.prefill_calls += 1
+            self._count.rows_prefilled += len(group)
 
     def _block(self, running: list[_Job | None]) -> None:
         n = len(running)

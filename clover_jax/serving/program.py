@@ -19,10 +19,12 @@ so attention is exactly the block-causal attention of `sampler.program`'s canvas
 the prompt's at admission and a block's when it is committed.
 
 Programs (all take and return the whole `SlotState`, whose buffers they donate):
-  admit(state, slot, row..., knobs, n_blocks)
-                                      write a new request into row `slot`; with a cache, run its
-                                      prompt (the rightmost W columns before the first block, W one of
-                                      the engine's static prefill widths) and keep its K/V / Gated DeltaNet state
+  admit(state, slots, rows..., knobs, n_blocks)
+                                      write k new requests into rows `slots` [k] (k static: the engine
+                                      admits queued requests together); with a cache, run their prompts in
+                                      one batched prefill (the rightmost W columns before the first block,
+                                      W one of the engine's static prefill widths) and keep their K/V /
+                                      Gated DeltaNet states
   advance_b(state, keep)              one block for rows [0, b): `keep` = False drops a row first
                                       (a cancelled request); returns the committed block's tokens and
                                       which rows finished (end token, or their last block)
@@ -122,13 +124,14 @@ def abstract_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, colum
                         state_shardings(shapes, mesh))
 
 
-def row_args(state: SlotState) -> tuple:
-    """The arguments of `admit` after the state, as unsharded ShapeDtypeStructs: slot [], canvas / valid /
-    blocks [S], one row's knobs ([] leaves of the state's knob dtypes) and its blocks []."""
+def row_args(state: SlotState, rows: int = 1) -> tuple:
+    """The arguments of `admit` after the state for `rows` new requests, as unsharded ShapeDtypeStructs: slots
+    [rows], canvas / valid / blocks [rows, S], their knobs ([rows] leaves of the state's knob dtypes) and their
+    blocks [rows]."""
     s = state.canvas.shape[1]
     sds = jax.ShapeDtypeStruct
-    return (sds((), jnp.int32), sds((s,), jnp.int32), sds((s,), jnp.bool_), sds((s,), jnp.int32),
-            Knobs(*(sds((), x.dtype) for x in state.knobs)), sds((), jnp.int32))
+    return (sds((rows,), jnp.int32), sds((rows, s), jnp.int32), sds((rows, s), jnp.bool_), sds((rows, s), jnp.int32),
+            Knobs(*(sds((rows,), x.dtype) for x in state.knobs)), sds((rows,), jnp.int32))
 
 
 def _jit(fn: Any, donate: int, out_shardings: Any, mesh: MeshRules | None) -> Any:
@@ -150,8 +153,8 @@ def block_program(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, ca
 def prefill_program(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str, width: int,
                     state: SlotState, mesh: MeshRules | None = None) -> Any:
     """The jitted `admit` for prompts in `width` columns (one of the engine's prefill widths; any with cache
-    `none`): lower it with (weights, state, *row_args(state)); the state is donated and, on a mesh, handed back in
-    its `state_shardings`."""
+    `none`): lower it with (weights, state, *row_args(state, rows)), one program per number of rows; the state is
+    donated and, on a mesh, handed back in its `state_shardings`."""
     where = None if mesh is None else state_shardings(state, mesh)
     return _jit(functools.partial(admit, cfg, forward_fn, block_length, cache, width), 1, where, mesh)
 
@@ -163,32 +166,32 @@ def move_program(state: SlotState, mesh: MeshRules | None = None) -> Any:
 
 
 def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str, width: int, weights: Any,
-          state: SlotState, slot: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
+          state: SlotState, slots: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
           n_blocks: Array) -> SlotState:
-    """Row `slot` := a new request (canvas / valid / blocks [S], its knobs with [] leaves, its blocks). With the
-    prefix cache, also its prompt's K/V (and Gated DeltaNet state), written from the `width` columns before its
-    first block, which hold the whole prompt (`width` is static, one of the engine's prefill widths), in windows of
-    `cfg.prefill_chunk` columns (`step.prefill`)."""
-    s, bl = canvas.shape[0], block_length
+    """Rows `slots` [k] := k new requests (canvas / valid / blocks [k, S], their knobs with [k] leaves, their blocks
+    [k]); a slot outside the state's rows is a padding row (the engine repeats a real request there) and writes
+    nothing. With the prefix cache, also their prompts' K/V (and Gated DeltaNet states), written in one batched
+    prefill from the `width` columns before the first block, which hold every prompt (`width` is static, one of the
+    engine's prefill widths), in windows of `cfg.prefill_chunk` tokens shared by the k rows (`step.prefill`)."""
+    k, s, bl = canvas.shape[0], canvas.shape[1], block_length
 
-    def put(x: Array, row: Array) -> Array:
-        return jax.lax.dynamic_update_index_in_dim(x, jnp.asarray(row, x.dtype), slot, axis=0)
+    def put(x: Array, rows: Array) -> Array:
+        return x.at[slots].set(jnp.asarray(rows, x.dtype), mode="drop")
 
     kv = state.cache
     if cache == "prefix":
-        v, ids = valid[None], blocks[None]
-        pos = masks.positions(v)
+        pos = masks.positions(valid)
 
         def run(c: Any, lo: Array | int, w: int) -> Any:
-            return denoise.window_pass(forward_fn, weights, cfg, canvas[None], v, ids, pos, c, lo, w, 0, 1)[1]
+            return denoise.window_pass(forward_fn, weights, cfg, canvas, valid, blocks, pos, c, lo, w, 0, 1)[1]
 
-        one = denoise.prefill(run, forward_fn.init_cache(1, s), s - bl - width, width, denoise.prefill_columns(cfg, 1),
+        new = denoise.prefill(run, forward_fn.init_cache(k, s), s - bl - width, width, denoise.prefill_columns(cfg, k),
                               denoise.prefill_overlap(cfg, cfg.block_size))
-        kv = kv_cache.write_row(kv, one, slot)
+        kv = kv_cache.write_rows(kv, new, slots)
     return SlotState(put(state.canvas, canvas), put(state.valid, valid), put(state.blocks, blocks), kv,
                      put(state.active, True), put(state.fresh, True), put(state.block, 0),
                      put(state.n_blocks, n_blocks),
-                     Knobs(*(put(x, k) for x, k in zip(state.knobs, row_knobs, strict=True))))
+                     Knobs(*(put(x, kn) for x, kn in zip(state.knobs, row_knobs, strict=True))))
 
 
 def move(state: SlotState, src: Array, dst: Array) -> SlotState:
