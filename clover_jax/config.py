@@ -104,7 +104,8 @@ class ModelConfig:
     moe_dispatch: str = "tiled"
     # How attention layers compute (`model.layers.attend`): "dense" holds a window's whole float32 score matrix;
     # "chunked" walks query and key chunks of `attention_chunk` columns with an online softmax (never more than
-    # one chunk pair's scores); "auto" chunks when both the queries and the keys are longer than one chunk.
+    # one chunk pair's scores); "auto" chunks a long prompt's windows (`layers.chunks_attention`: keys longer than a
+    # chunk, and queries too or all rows' scores over 8 chunk x chunk squares).
     attention_impl: str = "auto"
     attention_chunk: int = 1024
     # Prompts are written into the cache in windows of `prefill_chunk` tokens over all rows (the sampler's B rows

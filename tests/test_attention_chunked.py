@@ -61,14 +61,18 @@ def test_chunked_gradients_equal_dense():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_chunks_only_when_queries_and_keys_are_both_long():
-    def walks(tq, tk):
-        q, k, v = _qkv(tq, tk, b=1)
-        jaxpr = str(jax.make_jaxpr(lambda q, k, v: layers.attend(q, k, v, jnp.ones((1, tq, tk), bool), "auto",
+def test_auto_chunks_long_windows_and_narrow_windows_of_a_batch_against_many_keys():
+    def walks(tq, tk, b=1):
+        q, k, v = _qkv(tq, tk, b=b)
+        jaxpr = str(jax.make_jaxpr(lambda q, k, v: layers.attend(q, k, v, jnp.ones((b, tq, tk), bool), "auto",
                                                                    8))(q, k, v))
         return "scan" in jaxpr
 
-    assert walks(16, 16) and not walks(8, 64) and not walks(64, 8)
+    assert walks(16, 16) and not walks(8, 64) and not walks(64, 8)  # chunk 8: both longer / queries / keys short
+    # a narrow window against many keys: chunked once all rows' scores cover more than 8 chunk x chunk squares
+    assert walks(8, 72) and not walks(4, 128) and walks(4, 128, b=2) and not walks(16, 8, b=8)
+    assert layers.chunks_attention("auto", 8, 512, 32768, 1024)  # 8 rows' prefill windows against a 32K cache
+    assert not layers.chunks_attention("auto", 1, 32, 131072, 1024)  # a block pass at 128K stays dense
 
 
 def _model(impl):

@@ -27,7 +27,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=ATTENTION_IMPLS, default=None,
                    help="how attention layers compute: 'dense' (a window's whole score matrix at once), 'chunked' "
                         "(query and key chunks with an online softmax: memory flat in the prompt's length) or "
-                        "'auto' (chunked when both are longer than a chunk); default: the model's (auto)")
+                        "'auto' (chunked for a long prompt's windows, dense for block passes); "
+                        "default: the model's (auto)")
     p.add_argument("--attention-chunk", type=_columns(1), default=None,
                    help="columns per query / key chunk of chunked attention (default: the model's, 1024)")
     p.add_argument("--prefill-chunk", type=_columns(0), default=None,

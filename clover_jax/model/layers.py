@@ -12,6 +12,18 @@ from clover_jax.model.params import AttentionWeights, MLPWeights
 Array = jax.Array
 
 NEG_INF = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
+AUTO_SCORES = 8  # `auto` chunks a narrow window whose dense scores would be over this many chunk x chunk squares a row
+
+
+def chunks_attention(impl: str, rows: int, tq: int, tk: int, chunk: int) -> bool:
+    """Whether `attend` takes the chunked form for `rows` x `tq` queries against `tk` keys: "chunked" always,
+    "dense" never, "auto" when the keys are longer than one chunk and either the queries are too (a long prompt's
+    prefill) or the dense scores of all rows would cover more than AUTO_SCORES chunk x chunk squares (a prefill
+    window narrowed by a batch's rows against a long cache: 8 rows x 512 columns x 32K keys). A block pass (32-64
+    queries) stays dense up to 128K keys at one row."""
+    if impl != "auto":
+        return impl == "chunked"
+    return tk > chunk and (tq > chunk or rows * tq * tk > AUTO_SCORES * chunk * chunk)
 
 
 def _normalized(x: Array, eps: float) -> Array:
@@ -86,10 +98,10 @@ def attend(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, impl: st
     head are stacked along the query axis, so each (row, KV head) is one [H/K*Tq, hd] x [hd, Tk]
     matmul (about 1.5x faster on CPU than a [H/K, Tq] pair of free dims). `impl` (ModelConfig.attention_impl):
     "dense" holds the [B, H, Tq, Tk] scores at once; "chunked" (`attend_chunked`) never more than
-    [B, H, chunk, chunk]; "auto" chunks when both Tq and Tk exceed `chunk`. A query that may see no key
-    averages every value, in both forms.
+    [B, H, chunk, chunk]; "auto" as `chunks_attention` decides. A query that may see no key averages every
+    value, in both forms.
     """
-    if impl == "chunked" or (impl == "auto" and min(q.shape[1], k.shape[1]) > chunk):
+    if chunks_attention(impl, q.shape[0], q.shape[1], k.shape[1], chunk):
         return attend_chunked(q, k, v, mask, chunk)
     if isinstance(mask, masks.BlockMask):
         mask = mask.full()
