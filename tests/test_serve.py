@@ -81,7 +81,8 @@ def alone(weights, cfg, prompt: list[int], r: Request) -> list[int]:
 def shipped_engine():
     cfg, weights = load_model(str(shipped.MODEL_DIR))
     tok = load_tokenizer(str(shipped.MODEL_DIR))
-    eng = Engine(weights, cfg, max_prompt=32, max_tokens=64, batch_sizes=(1, 4), queue_size=64)
+    # the prefix cache on: every test of this module then also checks that reusing a saved prompt changes no token
+    eng = Engine(weights, cfg, max_prompt=32, max_tokens=64, batch_sizes=(1, 4), queue_size=64, prefix_cache_gb=1.0)
     lines: list[str] = []
     eng.warm_up(lines.append)
     eng.start()
@@ -96,9 +97,10 @@ def test_warm_up_lists_every_program(shipped_engine):
         "prefill program for prompts up to 32 tokens", "prefill program for prompts up to 32 tokens, 2 at a time",
         "prefill program for prompts up to 32 tokens, 4 at a time", "prefill program for prompts up to 64 tokens",
         "prefill program for prompts up to 64 tokens, 2 at a time",
-        "prefill program for prompts up to 64 tokens, 4 at a time"]
-    # each says how far the start-up is: i of the 9 programs (the row move program is the silent ninth)
-    assert [re.search(r"\[(\d)/9 programs", line).group(1) for line in lines] == [str(i) for i in range(1, 9)]
+        "prefill program for prompts up to 64 tokens, 4 at a time",
+        "prefix-cache program for up to 32 new prompt tokens", "prefix-cache program for up to 64 new prompt tokens"]
+    # each says how far the start-up is: i of the 12 programs (the prefix cache's save and the row move are silent)
+    assert [re.search(r"\[(\d+)/12 programs", line).group(1) for line in lines] == [str(i) for i in range(1, 11)]
     assert all("s left]" in line for line in lines)
 
 
@@ -141,7 +143,8 @@ def test_queued_requests_are_prefilled_together(shipped_engine):
     """Three requests queued at once (prompts of different lengths, different settings) are admitted by one call
     whose prefill runs their prompts as one batch (padded to the 4-row program); each gets its tokens alone."""
     eng, tok, _ = shipped_engine
-    texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou", "First Citizen:\nBefore we proceed"]
+    # prompts no other test sends (a saved prompt they began with would be admitted on its own, reusing it)
+    texts = ["BENVOLIO:", "NURSE:\nNow, by my maidenhead at twelve year old", "TYBALT:\nWhat, drawn, and talk"]
     reqs = [request_of(tuple(tok.encode(t)), m, threshold=th, temperature=temp, seed=7)
             for t, m, th, temp in zip(texts, [40, 64, 33], [0, 0.5, 0], [0, 0, 0.7], strict=True)]
     col = Collector()
@@ -159,6 +162,78 @@ def test_queued_requests_are_prefilled_together(shipped_engine):
     assert col.tokens(2) == col.tokens(3) and eng.stats().prefill_calls == after.prefill_calls + 1
 
 
+def _run_one(eng, r: Request, key: int, col: Collector | None = None) -> tuple[list[int], Event]:
+    col = col or Collector()
+    eng.submit(r, col.sink(key))
+    col.wait([key])
+    return col.tokens(key), col.events[key][-1]
+
+
+def test_a_prompt_that_begins_with_an_earlier_one_reuses_its_cache(shipped_engine):
+    """The prefix cache: a prompt that extends an earlier request's prompt prefills only its new tokens, from the
+    saved K/V and Gated DeltaNet state, and gets the tokens it gets alone; the same prompt again reuses all of it;
+    a seeded sampled request gives the same text reusing as not."""
+    eng, tok, _ = shipped_engine
+    first = tuple(tok.encode("KING HENRY V:\nOnce more unto the breach"))
+    longer = first + tuple(tok.encode(", dear friends, once more"))
+    before = eng.stats()
+    toks1, ev1 = _run_one(eng, request_of(first, 40), 0)
+    assert ev1.cached_tokens == 0 and eng.stats().prefix_hits == before.prefix_hits  # nothing saved began it
+    r2 = request_of(longer, 40)
+    toks2, ev2 = _run_one(eng, r2, 1)
+    assert ev2.cached_tokens == len(first)
+    assert toks2 == alone(eng.weights, eng.cfg, list(longer), r2)
+    toks3, ev3 = _run_one(eng, request_of(first, 40), 2)  # the whole prompt saved: nothing left to prefill
+    assert ev3.cached_tokens == len(first) and toks3 == toks1
+    after = eng.stats()
+    assert (after.prefix_hits - before.prefix_hits, after.prefix_tokens_reused - before.prefix_tokens_reused) == (
+        2, 2 * len(first))
+    assert after.prefix_entries >= 2 and after.prefix_bytes == after.prefix_entries * eng.row_bytes
+
+    sampled = request_of(tuple(tok.encode("PRINCE:\nRebellious subjects")), 40, temperature=0.9, seed=11)
+    miss, ev_miss = _run_one(eng, sampled, 3)
+    hit, ev_hit = _run_one(eng, sampled, 4)
+    assert (ev_miss.cached_tokens, ev_hit.cached_tokens) == (0, len(sampled.prompt)) and hit == miss
+
+
+def test_concurrent_prompts_that_share_a_saved_prefix(shipped_engine):
+    eng, tok, _ = shipped_engine
+    stem = tuple(tok.encode("CHORUS:\nTwo households, both alike"))
+    _run_one(eng, request_of(stem, 8), 0)  # saved
+    reqs = [request_of(stem + tuple(tok.encode(t)), 40, **kw) for t, kw in
+            [(" in dignity", {}), (",", {"threshold": 0.5}), (" in fair Verona", {"steps_per_block": 16})]]
+    col = Collector()
+    before = eng.stats()
+    with eng._lock:  # admitted together, each reusing the stem
+        for i, r in enumerate(reqs):
+            eng.submit(r, col.sink(i))
+    col.wait([0, 1, 2])
+    assert eng.stats().prefix_hits - before.prefix_hits == 3
+    for i, r in enumerate(reqs):
+        assert col.events[i][-1].cached_tokens == len(stem)
+        assert col.tokens(i) == alone(eng.weights, eng.cfg, list(r.prompt), r), f"request {i}"
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used(shipped_engine):
+    eng, tok, _ = shipped_engine
+    budget = eng.prefix_cache_gb
+    eng.prefix_cache_gb = 1.5 * eng.row_bytes / 1e9  # room for one saved prompt (the budget is read at each save)
+    try:
+        a, b = (tuple(tok.encode(t)) for t in ("GLOUCESTER:\nNow is the winter", "LEAR:\nBlow, winds"))
+        _run_one(eng, request_of(a, 8), 0)
+        _run_one(eng, request_of(b, 8), 1)  # evicts a
+        assert eng.stats().prefix_entries == 1
+        before = eng.stats()
+        r = request_of(a + tuple(tok.encode(" of our discontent")), 40)
+        got, ev = _run_one(eng, r, 2)
+        after = eng.stats()
+        assert ev.cached_tokens == 0 and after.prefix_hits == before.prefix_hits
+        assert after.prefix_lookups == before.prefix_lookups + 1 and after.prefix_entries == 1
+        assert got == alone(eng.weights, eng.cfg, list(r.prompt), r)
+    finally:
+        eng.prefix_cache_gb = budget
+
+
 def test_admissions_group_by_prompt_width():
     cfg = get_config("clover-tiny")
     eng = Engine(None, cfg, max_prompt=100, max_tokens=32, batch_sizes=(1, 8), prefill_rows=4)
@@ -171,6 +246,21 @@ def test_admissions_group_by_prompt_width():
     assert Engine(None, cfg, batch_sizes=(1, 2), prefill_rows=6).admit_rows == (1, 2)  # never more than the rows
     with pytest.raises(ServingError, match="prefill_rows must be a positive integer"):
         Engine(None, cfg, prefill_rows=0)
+
+
+def test_the_prefix_cache_is_off_where_a_prompt_cannot_be_cut():
+    """Exact reuse needs the state after the saved tokens: any cut of a causal-prefix model's prompt, whole prompt
+    blocks of a block-causal attention-only model; a hybrid read in longer clean blocks cannot be cut."""
+    on = Engine(None, get_config("clover-tiny"), prefix_cache_gb=1)
+    assert (on.prefix_cache, on.reuse_grain, on.prefix_cache_note) == (True, 1, None)
+    attention = Engine(None, get_config("clover-tiny-attention"), prefix_cache_gb=1)
+    assert attention.prefix_cache and attention.reuse_grain == attention.cfg.block_size > 1
+    earlier = Engine(None, get_config("clover-tiny").replace(bd_gdn="reconstructed"), prefix_cache_gb=1)
+    assert not earlier.prefix_cache and "cannot be cut inside a block" in earlier.prefix_cache_note
+    assert Engine(None, get_config("clover-tiny"), cache="none", prefix_cache_gb=1).prefix_cache_note
+    assert Engine(None, get_config("clover-tiny")).prefix_cache_note is None  # not asked for: nothing to say
+    with pytest.raises(ServingError, match="prefix_cache_gb must be >= 0"):
+        Engine(None, get_config("clover-tiny"), prefix_cache_gb=-1)
 
 
 def test_a_padding_row_of_an_admission_writes_nothing():
@@ -359,6 +449,9 @@ def test_completion_and_chat(server):
     out = client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=40)
     assert out.choices[0].text == _alone_text(eng, tok, "ROMEO:", 40)
     assert out.usage.prompt_tokens == len(tok.encode("ROMEO:"))
+    again = client.completions.create(model=eng.cfg.name, prompt="ROMEO:", max_tokens=40)
+    assert again.choices[0].text == out.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens  # the prompt was saved
     assert out.choices[0].finish_reason in ("length", "stop")
     chat = client.chat.completions.create(model=eng.cfg.name, messages=[{"role": "user", "content": "Speak."}],
                                           max_tokens=32)

@@ -63,6 +63,11 @@ class FakeStats:
     rows_in_blocks: int
     prefill_calls: int = 0
     rows_prefilled: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
 
 
 @dataclass
@@ -91,6 +96,7 @@ class FakeEngine:
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     queue_size: int = 8
     prefill_rows: int = 4
+    prefix_cache_gb: float = 0.0
     cache: str = "prefix"
     delay: float = 0.0
     dispatch: Any = None
@@ -303,7 +309,8 @@ def test_completion_shape_and_usage(client, engine):
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL
     assert isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": "abcdefghab", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18}
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 10, "total_tokens": 18,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     req = engine.submitted[0]
     assert req.prompt == tuple(TOK.encode("abcdefgh")) and req.max_tokens == 10 and req.sampling.temperature == 0.0
 
@@ -662,7 +669,8 @@ def test_engine_kwargs():
     args = cli.build_parser().parse_args(["serve", "--batch-sizes", "4", "1", "4", "--max-tokens", "256"])
     kw = serve_cmd.engine_kwargs(args, None)
     assert kw == {"batch_sizes": (1, 4), "cache": "auto", "queue_size": 256, "dispatch": None, "mesh": None,
-                  "max_tokens": 256, "self_speculative": False, "prefill_rows": 4}
+                  "max_tokens": 256, "self_speculative": False, "prefill_rows": 4,
+                  "prefix_cache_gb": 1.0}
     args = cli.build_parser().parse_args(["serve", "--self-speculative", "--prefill-rows", "2"])
     assert serve_cmd.engine_kwargs(args, None)["self_speculative"] is True
     assert serve_cmd.engine_kwargs(args, None)["prefill_rows"] == 2

@@ -726,8 +726,8 @@ def test_a_client_gone_mid_body_is_an_access_line_not_an_error(engine, caplog):
 
 def test_log_formats_are_parseable():
     fields = {"request_id": "r1", "method": "POST", "path": "/v1/x y\n\"=\\", "status": 200, "tokens_in": 3,
-              "tokens_out": None, "passes": 7, "queue_s": 0.25, "run_s": 1.5, "finish": "stop", "error": None,
-              "client": "127.0.0.1:5"}
+              "tokens_cached": 2, "tokens_out": None, "passes": 7, "queue_s": 0.25, "run_s": 1.5, "finish": "stop",
+              "error": None, "client": "127.0.0.1:5"}
     record = logging.LogRecord(logs.ACCESS_LOGGER, logging.INFO, __file__, 1, "access", None, None)
     record.access = fields
     text = logs.TextFormatter().format(record)

@@ -69,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-rows", type=int, default=4, metavar="N",
                    help="queued requests admitted together, their prompts prefilled as one batch (default 4; "
                         "1: one at a time; each size up to N is a compiled program per prompt width)")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
+                   help="device memory for the caches of earlier prompts, reused exactly when a new prompt begins "
+                        "with one, least recently used first out (default 1; 0: off)")
     p.add_argument("--queue-size", type=int, default=256,
                    help="requests that may wait for a batch row; more get HTTP 429 (default 256)")
     p.add_argument("--cache", choices=CACHE_MODES, default="auto",
@@ -121,6 +124,8 @@ def check_flags(args: argparse.Namespace) -> None:
                         ("--max-messages", args.max_messages), ("--max-n", args.max_n)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not args.prefix_cache_gb >= 0 or args.prefix_cache_gb == float("inf"):
+        raise UsageError(f"--prefix-cache-gb must be a number of GB >= 0 (0: off), got {args.prefix_cache_gb}")
     if args.max_body_bytes < 1024:
         raise UsageError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if not (args.request_timeout >= 0 and args.request_timeout < float("inf")):
@@ -263,7 +268,8 @@ def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments of the flags; limits not given are left to the engine's defaults."""
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
                               "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh,
-                              "self_speculative": args.self_speculative, "prefill_rows": args.prefill_rows}
+                              "self_speculative": args.self_speculative, "prefill_rows": args.prefill_rows,
+                              "prefix_cache_gb": args.prefix_cache_gb}
     if args.block_length is not None:
         kwargs["block_length"] = args.block_length
     if args.max_prompt is not None:
@@ -298,6 +304,10 @@ def run(args: argparse.Namespace) -> int:
             _say("request defaults from the checkpoint's generation_config.json: "
                  + ", ".join(f"{k} {v}" for k, v in defaults.items()))
         engine = Engine(weights, cfg, **engine_kwargs(args, mesh))
+        if getattr(engine, "prefix_cache_note", None):
+            _say(f"the prefix cache is off: {engine.prefix_cache_note}", "warning")
+        elif getattr(engine, "prefix_cache", False):
+            _say(f"prefix cache: {args.prefix_cache_gb:g} GB, {engine.row_bytes / 1e6:.1f} MB a saved prompt")
         check_defaults(defaults, engine, os.path.join(model, "generation_config.json"))
         engine.warm_up(_compiled)
         engine.start()

@@ -131,6 +131,37 @@ def write_rows(big: KVCache | None, new: KVCache | None, rows: Array) -> KVCache
     return jax.tree.map(lambda x, y: x.at[at].set(y.astype(x.dtype), mode="drop"), big, new)
 
 
+def read_row(cache: KVCache | None, row: Array) -> KVCache | None:
+    """Row `row` of every leaf, as a one-row cache (a copy: later writes to `cache` do not reach it)."""
+    return None if cache is None else jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row, _ROWS, True),
+                                                   cache)
+
+
+def _kv_map(cache: KVCache, fn: Any) -> KVCache:
+    """`fn` on every attention K/V leaf ([layers, B, S, ...]); the Gated DeltaNet state, which has no columns,
+    as it is."""
+    def f(x: Array | None) -> Array | None:
+        return None if x is None else fn(x)
+
+    return cache.replace(dense_k=f(cache.dense_k), dense_v=f(cache.dense_v), moe_k=f(cache.moe_k), moe_v=f(cache.moe_v))
+
+
+def roll_columns(cache: KVCache, n: Array | int) -> KVCache:
+    """Every attention K/V column moved `n` columns left (traced n >= 0; the first n wrap round to the end)."""
+    return _kv_map(cache, lambda x: jnp.roll(x, -n, axis=2))
+
+
+def resize_columns(cache: KVCache, length: int) -> KVCache:
+    """The attention K/V cut to their first `length` columns, or padded with zero columns to `length`."""
+    def f(x: Array) -> Array:
+        s = x.shape[2]
+        if length <= s:
+            return x[:, :, :length]
+        return jnp.concatenate([x, jnp.zeros((*x.shape[:2], length - s, *x.shape[3:]), x.dtype)], axis=2)
+
+    return _kv_map(cache, f)
+
+
 def move_row(cache: KVCache | None, src: Array, dst: Array) -> KVCache | None:
     """Row `dst` := row `src` in every leaf."""
     def move(x: Array) -> Array:

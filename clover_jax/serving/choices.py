@@ -66,6 +66,7 @@ class Choice:
     used: int | None = None  # with a stop match: the tokens the returned text came from
     passes: int = 0  # forward passes the engine reported so far
     queued_s: float = 0.0  # how long it waited for a row (the engine's report)
+    cached: int = 0  # prompt tokens the engine's prefix cache gave it
     seen: int = 0  # characters decoded before the latest event
     calls: tuple[tuple[str, ParsedCall], ...] = ()  # (id, call) of the tool calls it ended with
     thinking: bool | None = None  # a chat choice (reasoning apart); True: its prompt opened `<think>`
@@ -232,7 +233,7 @@ class Run:
             choice = self.choices[index]
             if choice.done:  # e.g. the "cancelled" event after a stop string matched
                 continue
-            choice.passes, choice.queued_s = event.passes, event.queued_s
+            choice.passes, choice.queued_s, choice.cached = event.passes, event.queued_s, event.cached_tokens
             if self.first_block is None and (event.tokens or event.finish_reason is not None):
                 self.first_block = time.monotonic()
             if event.finish_reason == "error":
@@ -243,11 +244,13 @@ class Run:
                 self.engine.cancel(choice.rid)  # free the row at the next block boundary
             yield choice, delta
 
-    def usage(self) -> dict[str, int]:
-        """OpenAI usage: the prompt once, the completion tokens of every choice."""
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: the prompt once, the completion tokens of every choice, and (as OpenAI's
+        `prompt_tokens_details.cached_tokens`) the prompt tokens the prefix cache gave, the most any choice got."""
         prompt = len(self.job.requests[0].prompt)
         completion = sum(len(c.tokens) if c.used is None else c.used for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": max(c.cached for c in self.choices)}}
 
     def record(self, metrics: Metrics) -> None:
         """Time to first block and total latency of a finished run into `metrics` (none for a cancelled one)."""
@@ -262,6 +265,7 @@ class Run:
             return
         usage = self.usage()
         access.tokens_in, access.tokens_out = usage["prompt_tokens"], usage["completion_tokens"]
+        access.tokens_cached = usage["prompt_tokens_details"]["cached_tokens"]
         access.passes = sum(c.passes for c in self.choices)
         access.queue_s = max(c.queued_s for c in self.choices)
         access.finish = ",".join(c.finish_reason or "none" for c in self.choices)

@@ -38,12 +38,13 @@ import numpy as np
 from clover_jax.config import ModelConfig
 from clover_jax.errors import SamplerError
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import cache as kv_cache
 from clover_jax.model import masks
 from clover_jax.model.forward_fn import ForwardFn, ModelForward
 from clover_jax.model.moe import choose_dispatch
 from clover_jax.sampler.generate import check_block_length
 from clover_jax.sampler.settings import SamplerConfig, knobs, resolve_cache
-from clover_jax.sampler.step import pow2_widths
+from clover_jax.sampler.step import pow2_widths, prefill_overlap
 from clover_jax.serving import program, speculative
 from clover_jax.serving.requests import Draining, Event, QueueFull, Request, ServingError
 
@@ -64,6 +65,11 @@ class EngineStats:
     rows_in_blocks: int  # sum over block calls of the rows that ran a request
     prefill_calls: int = 0  # admission calls (each prefills one or more new requests' prompts together)
     rows_prefilled: int = 0  # requests admitted by them
+    prefix_lookups: int = 0  # admissions that looked in the prefix cache (it is on)
+    prefix_hits: int = 0  # ... and reused a saved prompt's cache
+    prefix_tokens_reused: int = 0  # prompt tokens those hits did not prefill
+    prefix_entries: int = 0  # saved prompts held now
+    prefix_bytes: int = 0  # their device memory
 
     @property
     def tokens_per_pass(self) -> float:
@@ -92,6 +98,7 @@ class _Job:
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
     queued_s: float = 0.0  # seconds from `submit` until it got a row (until now while it waits)
+    cached: int = 0  # prompt tokens whose cache the prefix cache gave it
 
 
 @dataclass
@@ -105,6 +112,9 @@ class _Counters:
     rows_in_blocks: int = 0
     prefill_calls: int = 0
     rows_prefilled: int = 0
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
     spec_running: int = 0  # self-speculative requests on their lane now
 
 
@@ -130,6 +140,7 @@ class Engine:
     admit_window_s: float = 0.02  # after rows freed: wait this long (at most 5% of a block) for new requests
     self_speculative: bool = False  # also serve self-speculative requests (a causal-prefix model's; see above)
     prefill_rows: int = 4  # queued requests admitted (and their prompts prefilled) together in one call, at most
+    prefix_cache_gb: float = 0.0  # device memory for saved prompts' caches (the prefix cache; 0: off); see above
     _lock: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +177,7 @@ class Engine:
         need(self.queue_size >= 1, f"queue_size must be >= 1, got {self.queue_size}")
         need(isinstance(self.prefill_rows, int) and self.prefill_rows >= 1,
              f"prefill_rows must be a positive integer, got {self.prefill_rows!r}")
+        need(self.prefix_cache_gb >= 0, f"prefix_cache_gb must be >= 0, got {self.prefix_cache_gb}")
         # the admission programs' rows: powers of two up to prefill_rows (and the capacity), and prefill_rows
         top = min(self.prefill_rows, sizes[-1])
         self.admit_rows = tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))
@@ -174,6 +186,15 @@ class Engine:
                 self.dispatch = choose_dispatch(self.mesh)
             self.forward_fn = ModelForward(cfg, self.dispatch, self.mesh)
         self.widths = pow2_widths(self.columns - bl, bl)  # the prompt widths a new row is prefilled in
+        self.reuse_grain, why = _reuse_grain(cfg, self.cache, self.mesh)
+        self.prefix_cache = self.prefix_cache_gb > 0 and self.reuse_grain is not None
+        # why the prefix cache is off although asked for (None: on, or not asked for)
+        self.prefix_cache_note = why if self.prefix_cache_gb > 0 and not self.prefix_cache else None
+        self.row_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+            lambda: self.forward_fn.init_cache(1, self.columns)))) if self.cache == "prefix" else 0
+        self._saved: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()  # LRU first
+        self._reuse: dict[int, Any] = {}  # width of the new tokens -> the reusing admission program
+        self._read: Any = None
         self.spec_columns = _round_up(self.max_tokens, bl)  # a self-speculative request's generated columns
         self._queue: collections.deque[_Job] = collections.deque()
         self._slots: list[_Job | None] = [None] * sizes[-1]
@@ -216,6 +237,12 @@ class Engine:
             for k in self.admit_rows:
                 out["prefill", w, k] = (fn, (weights, state, *program.row_args(state, k)))
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        if self.prefix_cache:
+            saved = jax.eval_shape(kv_cache.read_row, state.cache, scalar)
+            for w in self.widths:
+                out["reuse", w] = (program.reuse_program(cfg, fwd, bl, w, state, mesh),
+                                   (weights, state, *program.row_args(state, 1), saved, scalar, scalar))
+            out["read", 0] = (program.read_program(), (state.cache, scalar))
         out["move", 0] = (program.move_program(state, mesh), (state, scalar, scalar))
         if self.self_speculative:
             out.update(speculative.programs(cfg, fwd, bl, self.widths, self.spec_columns, weights, mesh))
@@ -233,7 +260,9 @@ class Engine:
                     else f"admission program for {k} row{'s' if k > 1 else ''}")
         if kind == speculative.KIND:
             return f"self-speculative program for prompts up to {n} tokens"
-        return "row move program"
+        if kind == "reuse":
+            return f"prefix-cache program for up to {n} new prompt tokens"
+        return "row move program" if kind == "move" else "prefix-cache save program"
 
     def warm_up(self, log: Callable[[str], None] | None = None) -> None:
         """Compile every program of `programs` (idempotent); `log` gets one line per block and prefill program:
@@ -254,9 +283,13 @@ class Engine:
                 self._admit[size, key[2]] = exe
             elif kind == speculative.KIND:
                 self._spec[size] = exe
+            elif kind == "reuse":
+                self._reuse[size] = exe
+            elif kind == "read":
+                self._read = exe
             else:
                 self._move = exe
-            if kind != "move" and (kind != "prefill" or self.cache == "prefix"):
+            if kind not in ("move", "read") and (kind != "prefill" or self.cache == "prefix"):
                 now = time.perf_counter()
                 left = f", about {(now - start) / i * (n - i):.0f} s left" if i < n else ""
                 say(f"{self.describe(key)}: {now - t0:.1f} s [{i}/{n} programs{left}]")
@@ -326,7 +359,8 @@ class Engine:
             return EngineStats(c.admitted, c.finished, c.tokens, c.program_passes, c.row_passes,
                                len(self._queue) + len(self._spec_queue), sum(j is not None for j in self._slots)
                                + c.spec_running, self.capacity, c.blocks, c.rows_in_blocks, c.prefill_calls,
-                               c.rows_prefilled)
+                               c.rows_prefilled, c.prefix_lookups, c.prefix_hits, c.prefix_tokens_reused,
+                               len(self._saved), len(self._saved) * self.row_bytes)
 
     @property
     def draining(self) -> bool:
@@ -383,8 +417,7 @@ class Engine:
                     self._count.admitted += 1
                 running = list(self._slots[:self._n_running()])
             try:
-                for group in self._groups(admitted):
-                    self._prefill(group)
+                self._admit_all(admitted)
                 self._block(running)
             except Exception as e:  # a device failure: every running request ends, the engine goes on
                 self._fail(running, e)
@@ -433,6 +466,66 @@ class Engine:
         """The prefill width of `job`'s prompt (0 without a cache: nothing is prefilled)."""
         n = len(job.req.prompt)
         return next(w for w in self.widths if w >= n) if self.cache == "prefix" else 0
+
+    def _admit_all(self, admitted: list[tuple[int, _Job]]) -> None:
+        """Admit the rows just taken from the queue: those whose prompt begins with a saved one reuse its cache
+        (one call each), the rest in groups (`_groups`); then save every admitted prompt's cache."""
+        found = [(slot, job, self._lookup(job.req.prompt)) for slot, job in admitted]
+        for slot, job, hit in found:
+            if hit is not None:
+                self._admit_reusing(slot, job, *hit)
+        for group in self._groups([(slot, job) for slot, job, hit in found if hit is None]):
+            self._prefill(group)
+        if self.prefix_cache:
+            for slot, job in admitted:
+                self._save(slot, job.req.prompt)
+
+    def _lookup(self, prompt: tuple[int, ...]) -> tuple[Any, int, int] | None:
+        """The saved cache to admit `prompt` with: (cache, its prompt's length, tokens reused), the longest saved
+        prompt that `prompt` begins with, reused up to a whole number of `reuse_grain` tokens; None on a miss."""
+        if not self.prefix_cache:
+            return None
+        with self._lock:
+            self._count.prefix_lookups += 1
+        best = max((key for key in self._saved if len(key) <= len(prompt) and prompt[:len(key)] == key),
+                   key=len, default=None)
+        reused = 0 if best is None else len(best) // self.reuse_grain * self.reuse_grain
+        if best is None or reused == 0:
+            return None
+        self._saved.move_to_end(best)
+        return self._saved[best], len(best), reused
+
+    def _admit_reusing(self, slot: int, job: _Job, saved: Any, saved_len: int, reused: int) -> None:
+        prompt = job.req.prompt
+        width = next(w for w in self.widths if w >= max(len(prompt) - reused, 1))
+        canvas, valid, ids = self._row(prompt)
+        row_knobs = jax.tree.map(lambda x: np.stack([x]), knobs(job.settings, self.cfg))
+        self._state = self._reuse[width](self.weights, self._state, np.array([slot], np.int32), canvas[None],
+                                         valid[None], ids[None], row_knobs,
+                                         np.array([job.settings.n_blocks], np.int32), saved,
+                                         np.int32(len(prompt) - saved_len), np.int32(reused))
+        job.cached = reused
+        with self._lock:
+            c = self._count
+            c.prefill_calls += 1
+            c.rows_prefilled += 1
+            c.prefix_hits += 1
+            c.prefix_tokens_reused += reused
+
+    def _save(self, slot: int, prompt: tuple[int, ...]) -> None:
+        """Keep row `slot`'s cache (its prompt just prefilled) for later prompts that begin with `prompt`, evicting
+        the least recently used within `prefix_cache_gb`."""
+        if len(prompt) < self.reuse_grain:
+            return
+        if prompt in self._saved:
+            self._saved.move_to_end(prompt)
+            return
+        budget = int(self.prefix_cache_gb * 1e9)
+        if self.row_bytes > budget:
+            return
+        while self._saved and (len(self._saved) + 1) * self.row_bytes > budget:
+            self._saved.popitem(last=False)
+        self._saved[prompt] = self._read(self._state.cache, np.int32(slot))
 
     def _groups(self, admitted: list[tuple[int, _Job]]) -> list[list[tuple[int, _Job]]]:
         """The admitted rows in admission calls: by prompt width (a short prompt never pays for a long one's
@@ -497,7 +590,7 @@ class Engine:
                     reason = reason or "length"
                 job.produced += len(new)
                 c.tokens += len(new)
-                events.append((job, Event(tuple(new), reason, job.passes, job.queued_s)))
+                events.append((job, Event(tuple(new), reason, job.passes, job.queued_s, job.cached)))
                 if reason is not None:
                     self._free(slot)
             self._compact()
@@ -536,6 +629,21 @@ class Engine:
             logging.getLogger(__name__).exception("cannot rebuild the engine state")
         for job in jobs:
             _deliver(job, Event((), "error", job.passes, job.queued_s))
+
+
+def _reuse_grain(cfg: ModelConfig, cache: str, mesh: MeshRules | None) -> tuple[int | None, str | None]:
+    """(the granularity in tokens at which a saved prompt's cache can be reused exactly, None if it cannot; why
+    not). A causal-prefix or causal model: any prompt, whole (grain 1); a block-causal attention-only model: its
+    whole prompt blocks; a hybrid with longer clean blocks (the earlier reconstruction) cannot be cut."""
+    if cache != "prefix":
+        return None, "it needs the prefix cache mode"
+    if mesh is not None:
+        return None, "it runs on one device for now"
+    overlap = prefill_overlap(cfg, cfg.block_size)
+    if overlap is None:
+        return None, (f"config {cfg.name!r} reads its prompt in blocks of {cfg.block_size} through Gated DeltaNet, "
+                      "whose state cannot be cut inside a block")
+    return max(overlap, 1), None
 
 
 def _deliver(job: _Job, event: Event) -> None:

@@ -61,6 +61,7 @@ class Access:
     started: float = field(default_factory=time.monotonic)
     status: int | None = None
     tokens_in: int | None = None
+    tokens_cached: int | None = None  # of tokens_in, those the prefix cache gave (not prefilled again)
     tokens_out: int | None = None
     passes: int | None = None
     queue_s: float | None = None
@@ -71,7 +72,8 @@ class Access:
         """The access line's fields (`logs.ACCESS_FIELDS`); run_s is the time taken less the queue's."""
         total = (time.monotonic() if now is None else now) - self.started
         return {"request_id": self.request_id, "method": self.method, "path": self.path, "status": self.status,
-                "tokens_in": self.tokens_in, "tokens_out": self.tokens_out, "passes": self.passes,
+                "tokens_in": self.tokens_in, "tokens_cached": self.tokens_cached, "tokens_out": self.tokens_out,
+                "passes": self.passes,
                 "queue_s": None if self.queue_s is None else round(self.queue_s, 4),
                 "run_s": round(max(total - (self.queue_s or 0.0), 0.0), 4), "finish": self.finish,
                 "error": self.error, "client": self.client}

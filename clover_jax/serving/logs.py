@@ -29,7 +29,8 @@ LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": loggi
 ACCESS_LOGGER = "clover_jax.serving.access"
 SERVING_LOGGER = "clover_jax.serving"
 # The fields of an access line, in order (`Access.fields`).
-ACCESS_FIELDS = ("request_id", "method", "path", "status", "tokens_in", "tokens_out", "passes", "queue_s", "run_s",
+ACCESS_FIELDS = ("request_id", "method", "path", "status", "tokens_in", "tokens_cached", "tokens_out", "passes",
+                 "queue_s", "run_s",
                  "finish", "error", "client")
 MAX_FIELD = 256  # characters of a text field kept (a path, a client address); the rest becomes "..."
 

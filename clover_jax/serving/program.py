@@ -174,10 +174,6 @@ def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str
     prefill from the `width` columns before the first block, which hold every prompt (`width` is static, one of the
     engine's prefill widths), in windows of `cfg.prefill_chunk` tokens shared by the k rows (`step.prefill`)."""
     k, s, bl = canvas.shape[0], canvas.shape[1], block_length
-
-    def put(x: Array, rows: Array) -> Array:
-        return x.at[slots].set(jnp.asarray(rows, x.dtype), mode="drop")
-
     kv = state.cache
     if cache == "prefix":
         pos = masks.positions(valid)
@@ -188,10 +184,67 @@ def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str
         new = denoise.prefill(run, forward_fn.init_cache(k, s), s - bl - width, width, denoise.prefill_columns(cfg, k),
                               denoise.prefill_overlap(cfg, cfg.block_size))
         kv = kv_cache.write_rows(kv, new, slots)
+    return _install(state, slots, canvas, valid, blocks, row_knobs, n_blocks, kv)
+
+
+def _install(state: SlotState, slots: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
+             n_blocks: Array, kv: Any) -> SlotState:
+    """`state` with rows `slots` [k] running new requests (cache `kv` already written); see `admit`."""
+    def put(x: Array, rows: Array) -> Array:
+        return x.at[slots].set(jnp.asarray(rows, x.dtype), mode="drop")
+
     return SlotState(put(state.canvas, canvas), put(state.valid, valid), put(state.blocks, blocks), kv,
                      put(state.active, True), put(state.fresh, True), put(state.block, 0),
                      put(state.n_blocks, n_blocks),
                      Knobs(*(put(x, kn) for x, kn in zip(state.knobs, row_knobs, strict=True))))
+
+
+def admit_reusing(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, width: int, weights: Any,
+                  state: SlotState, slots: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
+                  n_blocks: Array, saved: Any, shift: Array, reused: Array) -> SlotState:
+    """`admit` for one request (`admit`'s arguments with one row) whose prompt begins with `reused` tokens that an
+    earlier admission already ran: `saved` is `model.cache.read_row` of that row right after it (the K/V at its
+    prompt's columns, the Gated DeltaNet state after its prompt). Only the rest of the prompt is prefilled.
+
+    Every row's prompt ends right before its first block (column S - L); this prompt is `shift` tokens longer than
+    the saved one, so the reused tokens sit `shift` columns further left: their K/V are rolled there. The new
+    tokens [reused, n) are then prefilled from that cache in a window of the static `width` >= n - reused columns
+    starting at their first column, on a canvas widened by `width` columns on the right whose block and added
+    columns are not valid (a Gated DeltaNet layer passes over invalid columns unchanged; their K/V land in the
+    block's columns, which every pass of the block writes before it reads them). Exact when the saved state is the
+    state after the first `reused` tokens and nothing they wrote depends on later ones: the whole saved prompt of a
+    causal-prefix or causal model, or its whole prompt blocks in a block-causal attention-only model (the engine
+    chooses `reused` so)."""
+    s, bl = canvas.shape[1], block_length
+    n = jnp.sum(valid[0, :s - bl])
+    lo = s - bl - (n - reused)
+    col = jnp.arange(s + width)
+    wide = lambda x, fill: jnp.concatenate([x, jnp.full((1, width), fill, x.dtype)], axis=1)
+    cv, ids = wide(canvas, cfg.filler_id), wide(blocks, 0)
+    ok = wide(valid, False) & (col < s - bl)[None]
+    pos = masks.positions(ok)
+
+    def run(c: Any, start: Array | int, w: int) -> Any:
+        return denoise.window_pass(forward_fn, weights, cfg, cv, ok, ids, pos, c, start, w, 0, 1)[1]
+
+    kv = kv_cache.resize_columns(kv_cache.roll_columns(saved, shift), s + width)
+    kv = denoise.prefill(run, kv, lo, width, denoise.prefill_columns(cfg, 1),
+                         denoise.prefill_overlap(cfg, cfg.block_size))
+    kv = kv_cache.write_rows(state.cache, kv_cache.resize_columns(kv, s), slots)
+    return _install(state, slots, canvas, valid, blocks, row_knobs, n_blocks, kv)
+
+
+def reuse_program(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, width: int, state: SlotState,
+                  mesh: MeshRules | None = None) -> Any:
+    """The jitted `admit_reusing` for at most `width` new prompt tokens: lower it with (weights, state,
+    *row_args(state, 1), saved (a one-row cache), shift [] int32, reused [] int32); the state is donated."""
+    where = None if mesh is None else state_shardings(state, mesh)
+    return _jit(functools.partial(admit_reusing, cfg, forward_fn, block_length, width), 1, where, mesh)
+
+
+def read_program() -> Any:
+    """The jitted `model.cache.read_row`: lower it with (cache, row [] int32)."""
+    return jax.jit(kv_cache.read_row)
 
 
 def move(state: SlotState, src: Array, dst: Array) -> SlotState:

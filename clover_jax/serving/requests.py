@@ -110,10 +110,12 @@ class Event(NamedTuple):
       or "cancelled"; the last event of a request always has one;
     passes: forward passes the request took part in so far (the steps in which its block still had masks;
       the prompt's prefill not counted);
-    queued_s: seconds the request waited in the queue for a batch row (0.0 from an engine that does not say).
+    queued_s: seconds the request waited in the queue for a batch row (0.0 from an engine that does not say);
+    cached_tokens: prompt tokens the engine's prefix cache gave it (not prefilled again).
     """
 
     tokens: tuple[int, ...]
     finish_reason: str | None
     passes: int
     queued_s: float = 0.0
+    cached_tokens: int = 0
