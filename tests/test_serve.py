@@ -196,6 +196,25 @@ def test_a_prompt_that_begins_with_an_earlier_one_reuses_its_cache(shipped_engin
     assert (ev_miss.cached_tokens, ev_hit.cached_tokens) == (0, len(sampled.prompt)) and hit == miss
 
 
+def test_a_chat_turn_saves_its_conversation_for_the_next(shipped_engine):
+    """A request that says which of its first tokens the next turn begins with (`Request.keep`: a chat's
+    conversation before the assistant's opening) is admitted in two calls, the conversation saved on the way, and
+    gets its tokens alone; the next turn, which begins with the conversation but not with the whole prompt, reuses
+    it."""
+    eng, tok, _ = shipped_engine
+    conversation = tuple(tok.encode("user: Speak, Hamlet.\n"))
+    turn = dataclasses.replace(request_of(conversation + tuple(tok.encode("assistant:")), 40), keep=len(conversation))
+    before = eng.stats()
+    got, ev = _run_one(eng, turn, 0)
+    assert ev.cached_tokens == 0 and got == alone(eng.weights, eng.cfg, list(turn.prompt), turn)
+    mid = eng.stats()
+    assert (mid.prefill_calls - before.prefill_calls, mid.rows_prefilled - before.rows_prefilled) == (2, 1)
+    nxt = request_of(conversation + tuple(tok.encode("OPHELIA: Good my lord.\nassistant:")), 40)
+    got, ev = _run_one(eng, nxt, 1)
+    assert ev.cached_tokens == len(conversation) and eng.stats().prefix_hits == mid.prefix_hits + 1
+    assert got == alone(eng.weights, eng.cfg, list(nxt.prompt), nxt)
+
+
 def test_concurrent_prompts_that_share_a_saved_prefix(shipped_engine):
     eng, tok, _ = shipped_engine
     stem = tuple(tok.encode("CHORUS:\nTwo households, both alike"))

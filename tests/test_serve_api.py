@@ -432,6 +432,31 @@ def test_chat_plain_format(client, engine):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": text[:8]}
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == len(text)
+    assert engine.submitted[0].keep == len(text.removesuffix("assistant:"))  # what the next turn begins with
+
+
+class _ThinkingTemplate(ByteTokenizer):
+    """A template whose assistant opening (`<think>`) is not how it renders an earlier assistant turn."""
+
+    chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+def test_a_chat_prompt_keeps_the_conversation_a_next_turn_begins_with(engine):
+    """The prefix cache saves a chat's conversation without the assistant's opening (`Request.keep`): the next
+    turn's prompt begins with that, though not with the whole prompt."""
+    turns = [[{"role": "user", "content": "hi"}],
+             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+              {"role": "user", "content": "more"}]]
+    with TestClient(make_app(engine, _ThinkingTemplate(), MODEL)) as client:
+        for messages in turns:
+            assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4}).status_code == 200
+    first, second = engine.submitted[:2]
+    assert first.prompt == tuple(TOK.encode("<|user|>hi\n<|assistant|><think>\n"))
+    assert first.keep == len("<|user|>hi\n")
+    assert second.prompt[:first.keep] == first.prompt[:first.keep] and second.prompt[:len(first.prompt)] != \
+        first.prompt
+    assert second.keep == len("<|user|>hi\n<|assistant|>yo\n<|user|>more\n")
 
 
 def test_chat_template_for_one_user_message(engine):

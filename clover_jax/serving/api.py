@@ -236,10 +236,10 @@ async def _start(request: HTTPRequest, st: ServerState, chat: bool, started: flo
     lim = st.limits
     tools = tool_plan(body) if chat else None
     if chat:
-        prompt, thinking = chat_prompt(body, st.tokenizer, lim.max_messages, tools)
+        prompt, thinking, keep = chat_prompt(body, st.tokenizer, lim.max_messages, tools)
     else:
-        prompt, thinking = completion_prompt(body, st.tokenizer), False
-    job = parse_job(body, st.engine, prompt, chat, st.defaults, lim.max_n, tools, thinking)
+        prompt, thinking, keep = completion_prompt(body, st.tokenizer), False, 0
+    job = parse_job(body, st.engine, prompt, chat, st.defaults, lim.max_n, tools, thinking, keep)
     deadline = None if lim.request_timeout_s is None else started + lim.request_timeout_s
     run = Run(st.engine, st.tokenizer, job, asyncio.get_running_loop(), started, deadline, st.metrics)
     run.submit()

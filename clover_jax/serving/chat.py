@@ -193,17 +193,21 @@ def plain_prompt(messages: Sequence[Message | tuple[str, str]], tools: Sequence[
 
 
 def render_messages(tokenizer: Tokenizer, messages: Sequence[Message], tools: Sequence[ToolSpec] = (),
-                    template_vars: dict[str, Any] | None = None) -> str:
+                    template_vars: dict[str, Any] | None = None, generation_prompt: bool = True) -> str:
     """The prompt text of a conversation and its tools (see the module docstring); `template_vars`: further
-    variables of the chat template (a request's `chat_template_kwargs`, e.g. `enable_thinking`). Raises
-    ChatTemplateError when the checkpoint's template refuses the conversation."""
+    variables of the chat template (a request's `chat_template_kwargs`, e.g. `enable_thinking`);
+    `generation_prompt` False: without the assistant's opening (the text a next turn's prompt begins with; the
+    plain format then ends before "assistant:"). Raises ChatTemplateError when the checkpoint's template refuses the
+    conversation."""
     template = getattr(tokenizer, "chat_template", None)
     extra = dict(template_vars or {})
     if isinstance(template, str) and template:
         return render_chat_template(template, [m.as_template() for m in messages],
-                                    tools=[t.as_openai() for t in tools] or None, add_generation_prompt=True, **extra)
+                                    tools=[t.as_openai() for t in tools] or None,
+                                    add_generation_prompt=generation_prompt, **extra)
     if not tools and len(messages) == 1 and messages[0].role == "user" and not messages[0].tool_calls:
         templated = tokenizer.apply_chat_template(messages[0].content, **extra)
         if templated is not None:
-            return templated
-    return plain_prompt(messages, tools)
+            return templated if generation_prompt else ""  # (one turn: no next one renders it alike)
+    text = plain_prompt(messages, tools)
+    return text if generation_prompt else text.removesuffix("assistant:")

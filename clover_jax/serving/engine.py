@@ -468,25 +468,59 @@ class Engine:
         return next(w for w in self.widths if w >= n) if self.cache == "prefix" else 0
 
     def _admit_all(self, admitted: list[tuple[int, _Job]]) -> None:
-        """Admit the rows just taken from the queue: those whose prompt begins with a saved one reuse its cache
-        (one call each), the rest in groups (`_groups`); then save every admitted prompt's cache."""
-        found = [(slot, job, self._lookup(job.req.prompt)) for slot, job in admitted]
-        for slot, job, hit in found:
-            if hit is not None:
-                self._admit_reusing(slot, job, *hit)
-        for group in self._groups([(slot, job) for slot, job, hit in found if hit is None]):
-            self._prefill(group)
+        """Admit the rows just taken from the queue: a prompt that begins with a saved one reuses its cache (a call
+        of its own), the rest go in groups (`_groups`); then every admitted prompt's cache is saved. A request that
+        says which of its first tokens a later one will begin with (`Request.keep`, a chat's conversation before the
+        assistant's opening) is admitted in two calls when those tokens are not saved yet: up to there (saved),
+        then the rest from it."""
+        fresh = []
+        for slot, job in admitted:
+            prompt, g = job.req.prompt, self.reuse_grain or 1
+            hit = self._lookup(prompt, count=True)
+            keep = job.req.keep if 0 < job.req.keep < len(prompt) else 0
+            if self.prefix_cache and keep >= g and (hit[2] if hit else 0) < keep - keep % g:
+                stem = prompt[:keep]  # a hit here is a saved prompt no longer than the stem: the stem begins with it
+                if hit:
+                    self._reuse_row(slot, job, stem, *hit)
+                else:
+                    self._prefill_rows([(slot, job)], [stem])
+                self._save(slot, stem)
+                self._reuse_row(slot, job, prompt, self._saved[stem], keep, keep - keep % g)
+                self._counted(job, hit, calls=2)
+            elif hit:
+                self._reuse_row(slot, job, prompt, *hit)
+                self._counted(job, hit, calls=1)
+            else:
+                fresh.append((slot, job))
+        for group in self._groups(fresh):
+            self._prefill_rows(group, [job.req.prompt for _, job in group])
+            with self._lock:
+                self._count.prefill_calls += 1
+                self._count.rows_prefilled += len(group)
         if self.prefix_cache:
             for slot, job in admitted:
                 self._save(slot, job.req.prompt)
 
-    def _lookup(self, prompt: tuple[int, ...]) -> tuple[Any, int, int] | None:
+    def _counted(self, job: _Job, hit: tuple[Any, int, int] | None, calls: int) -> None:
+        """The counters of a request admitted through the prefix cache in `calls` calls; `hit`: what it reused of
+        what was saved before it came."""
+        job.cached = hit[2] if hit else 0
+        with self._lock:
+            c = self._count
+            c.prefill_calls += calls
+            c.rows_prefilled += 1
+            c.prefix_hits += hit is not None
+            c.prefix_tokens_reused += job.cached
+
+    def _lookup(self, prompt: tuple[int, ...], count: bool = False) -> tuple[Any, int, int] | None:
         """The saved cache to admit `prompt` with: (cache, its prompt's length, tokens reused), the longest saved
-        prompt that `prompt` begins with, reused up to a whole number of `reuse_grain` tokens; None on a miss."""
+        prompt that `prompt` begins with, reused up to a whole number of `reuse_grain` tokens; None on a miss.
+        `count`: a lookup /metrics counts (one per request)."""
         if not self.prefix_cache:
             return None
-        with self._lock:
-            self._count.prefix_lookups += 1
+        if count:
+            with self._lock:
+                self._count.prefix_lookups += 1
         best = max((key for key in self._saved if len(key) <= len(prompt) and prompt[:len(key)] == key),
                    key=len, default=None)
         reused = 0 if best is None else len(best) // self.reuse_grain * self.reuse_grain
@@ -495,8 +529,9 @@ class Engine:
         self._saved.move_to_end(best)
         return self._saved[best], len(best), reused
 
-    def _admit_reusing(self, slot: int, job: _Job, saved: Any, saved_len: int, reused: int) -> None:
-        prompt = job.req.prompt
+    def _reuse_row(self, slot: int, job: _Job, prompt: tuple[int, ...], saved: Any, saved_len: int,
+                   reused: int) -> None:
+        """Row `slot` := `job` with `prompt`, its first `reused` tokens' cache taken from `saved`."""
         width = next(w for w in self.widths if w >= max(len(prompt) - reused, 1))
         canvas, valid, ids = self._row(prompt)
         row_knobs = jax.tree.map(lambda x: np.stack([x]), knobs(job.settings, self.cfg))
@@ -504,13 +539,6 @@ class Engine:
                                          valid[None], ids[None], row_knobs,
                                          np.array([job.settings.n_blocks], np.int32), saved,
                                          np.int32(len(prompt) - saved_len), np.int32(reused))
-        job.cached = reused
-        with self._lock:
-            c = self._count
-            c.prefill_calls += 1
-            c.rows_prefilled += 1
-            c.prefix_hits += 1
-            c.prefix_tokens_reused += reused
 
     def _save(self, slot: int, prompt: tuple[int, ...]) -> None:
         """Keep row `slot`'s cache (its prompt just prefilled) for later prompts that begin with `prompt`, evicting
@@ -536,22 +564,19 @@ class Engine:
         top = self.admit_rows[-1]
         return [rows[i:i + top] for rows in by_width.values() for i in range(0, len(rows), top)]
 
-    def _prefill(self, group: list[tuple[int, _Job]]) -> None:
-        """Admit `group`'s requests in one call (their prompts prefilled together), padded to an admission size
-        with copies of its first request aimed at no row."""
+    def _prefill_rows(self, group: list[tuple[int, _Job]], prompts: list[tuple[int, ...]]) -> None:
+        """Rows of `group` := their requests with `prompts` (of one prefill width), in one call whose prefill runs
+        them as one batch, padded to an admission size with copies of the first aimed at no row."""
         k = next(r for r in self.admit_rows if r >= len(group))
         pad = k - len(group)
         slots = np.array([slot for slot, _ in group] + [self.capacity] * pad, np.int32)
-        jobs = [job for _, job in group]
-        jobs += jobs[:1] * pad
-        canvas, valid, ids = (np.stack(x) for x in zip(*(self._row(j.req.prompt) for j in jobs), strict=True))
+        jobs = [job for _, job in group] + [group[0][1]] * pad
+        prompts = prompts + prompts[:1] * pad
+        canvas, valid, ids = (np.stack(x) for x in zip(*(self._row(p) for p in prompts), strict=True))
         row_knobs = jax.tree.map(lambda *x: np.stack(x), *(knobs(j.settings, self.cfg) for j in jobs))
         n_blocks = np.array([j.settings.n_blocks for j in jobs], np.int32)
-        self._state = self._admit[self._width(group[0][1]), k](self.weights, self._state, slots, canvas, valid, ids,
-                                                                row_knobs, n_blocks)
-        with self._lock:
-            self._count.prefill_calls += 1
-            self._count.rows_prefilled += len(group)
+        width = next(w for w in self.widths if w >= len(prompts[0])) if self.cache == "prefix" else 0
+        self._state = self._admit[width, k](self.weights, self._state, slots, canvas, valid, ids, row_knobs, n_blocks)
 
     def _block(self, running: list[_Job | None]) -> None:
         n = len(running)

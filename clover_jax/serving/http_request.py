@@ -249,11 +249,13 @@ def tool_plan(body: dict[str, Any]) -> ToolPlan | None:
 
 
 class ChatPrompt(NamedTuple):
-    """A chat request's prompt: its token ids, and whether its text leaves a `<think>` open (the model answers
-    inside its reasoning: `clover_jax.serving.reasoning`)."""
+    """A chat request's prompt: its token ids, whether its text leaves a `<think>` open (the model answers
+    inside its reasoning: `clover_jax.serving.reasoning`), and how many of its first tokens are the conversation
+    without the assistant's opening (the part the next turn's prompt begins with; 0 when it is not a prefix)."""
 
     ids: tuple[int, ...]
     thinking: bool
+    keep: int = 0
 
 
 def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = MAX_MESSAGES,
@@ -277,7 +279,22 @@ def chat_prompt(body: dict[str, Any], tokenizer: Tokenizer, max_messages: int = 
     except TypeError as e:  # a chat_template_kwargs value the template cannot use
         raise ApiError(400, f"chat_template_kwargs: {e}"[:500], param="chat_template_kwargs",
                        code="invalid_value") from None
-    return ChatPrompt(_encode(tokenizer, text, "messages"), prompt_opens_thinking(text))
+    ids = _encode(tokenizer, text, "messages")
+    return ChatPrompt(ids, prompt_opens_thinking(text), _conversation_tokens(tokenizer, messages, tools, template_vars,
+                                                                           ids))
+
+
+def _conversation_tokens(tokenizer: Tokenizer, messages: Any, tools: ToolPlan | None, template_vars: dict[str, Any],
+                         ids: tuple[int, ...]) -> int:
+    """How many of `ids` (the prompt) are the conversation rendered without the assistant's opening, when they are
+    its first tokens (the next turn's prompt then begins with them); else 0."""
+    try:
+        text = render_messages(tokenizer, messages, tools.tools if tools is not None else (), template_vars,
+                               generation_prompt=False)
+        head = tuple(tokenizer.encode(text))
+    except Exception:  # a template that needs the opening: nothing to keep apart
+        return 0
+    return len(head) if 0 < len(head) < len(ids) and ids[:len(head)] == head else 0
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -356,12 +373,13 @@ def request_defaults(stored: dict[str, Any]) -> dict[str, Any]:
 
 def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: bool,
               defaults: dict[str, Any] | None = None, max_n: int = MAX_CHOICES, tools: ToolPlan | None = None,
-              thinking: bool = False) -> Job:
+              thinking: bool = False, keep: int = 0) -> Job:
     """The Job of a completions (or, with `chat`, chat completions) body. Fields the body leaves out take
     `defaults` (the model's, `request_defaults`), else the sampler's (greedy decoding) and at most 128 tokens.
     Raises ApiError 400 for a field of the wrong type or n outside [1, max_n], and BadRequest for settings the
     engine would refuse (prompt too long, max_tokens too large, a setting out of range: named as the request
-    names it). `thinking`: a chat prompt that opened `<think>` (`ChatPrompt.thinking`)."""
+    names it). `thinking`: a chat prompt that opened `<think>` (`ChatPrompt.thinking`); `keep`: its tokens a later
+    turn begins with (`ChatPrompt.keep`)."""
     d = defaults or {}
     default_max = min(d.get("max_tokens", DEFAULT_MAX_TOKENS), engine.max_tokens)
     max_tokens = _field(body, "max_tokens", "an integer", default_max)
@@ -379,7 +397,7 @@ def parse_job(body: dict[str, Any], engine: Any, prompt: tuple[int, ...], chat: 
         sampling = SamplerConfig(**values)
     except TypeError as e:  # never: the names come from the table
         raise ApiError(400, str(e)) from None
-    base = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
+    base = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, keep=keep)
     base.check(engine.block_length, getattr(engine, "cache", "auto"), engine.cfg.vocab_size, engine.max_prompt,
                engine.max_tokens, REQUEST_NAMES, given, getattr(engine, "self_speculative", False))
     seeds, stops = _seeds(values.get("seed"), n, sampling.temperature), _stops(body)

@@ -47,11 +47,14 @@ class Request:
     """One generation: its prompt, at most `max_tokens` tokens (rounded up to whole blocks inside the engine; the
     tokens it reports never exceed `max_tokens`), and the sampler settings it runs with (`sampling`: its traced
     settings; the engine fixes those of `settings.SERVER_FIXED`, which must be left at their defaults or set to the
-    engine's own values). `sampling.steps_per_block` defaults to block_length: one token a step."""
+    engine's own values). `sampling.steps_per_block` defaults to block_length: one token a step. `keep`: the
+    prompt's first tokens that a later request is likely to begin with (a chat's conversation without the
+    assistant's opening), which the engine's prefix cache also saves; 0: the whole prompt."""
 
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplerConfig = field(default_factory=SamplerConfig)
+    keep: int = 0
 
     def row_settings(self, block_length: int) -> SamplerConfig:
         """The settings the request's row runs with: `sampling` over its whole blocks of the engine's length
