@@ -13,6 +13,17 @@ runs every question non-streamed and streamed, and prints per mode: the share an
 `--model` and no `--train-steps`: the shipped clover-tiny).
 `--save DIR` keeps the fine-tuned checkpoint. A comparison with causal generation in transformers is not
 offered: no causal model of this vocabulary calls these tools. Prints figures; asserts nothing.
+
+    python benchmarks/agent.py --conversation 8 --observation 1024    # a long conversation, prefix cache on / off
+
+`--conversation STEPS` instead runs one long agent-shaped conversation through the server twice, with the
+prefix cache (`--prefix-cache-gb` 1) and without: a task, then at each step the whole conversation is sent again
+(chat completions, greedy, `--reply` tokens), the reply appended and an observation of about `--observation`
+tokens (a page of text, sent as a user message, as a tool's result would be) after it. The shipped clover-tiny
+(a causal-prefix model, whose prompts the prefix cache can cut anywhere) runs it with its `max_seq_len` raised to
+hold the conversation (the figures are about time, not text). Prints per step the prompt's tokens, those the
+prefix cache gave (usage.prompt_tokens_details.cached_tokens), the step's wall time with and without the cache,
+and a plot of step time against conversation length.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(without --train-steps: the shipped model)")
     p.add_argument("--save", default=None, help="write the fine-tuned checkpoint here")
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
+    p.add_argument("--conversation", type=int, default=0, metavar="STEPS", help="the long conversation (see above)")
+    p.add_argument("--observation", type=int, default=1024, metavar="TOKENS", help="its observations' length")
+    p.add_argument("--reply", type=int, default=32, metavar="TOKENS", help="its replies' length")
     return p.parse_args(argv)
 
 
@@ -94,8 +108,80 @@ def run_loop(label: str, client: Any, port: int, model: str, held: list, stream:
           f"({wall:.0f} s for all, {args.clients} at a time)", flush=True)
 
 
+WORDS = ("the", "king", "my", "lord", "shall", "speak", "of", "love", "and", "death", "upon", "this", "night", "where",
+         "fortune", "lies", "in", "wait", "for", "all", "that", "breathe", "beneath", "heavy", "crown", "a", "sword",
+         "rose", "letter", "sealed", "with", "wax")
+
+
+def _page(tok: Any, n: int, seed: int) -> str:
+    """About `n` tokens of words (an observation: a page the agent must read)."""
+    import random
+
+    rng = random.Random(seed)
+    words: list[str] = []
+    while len(tok.encode(" ".join(words))) < n:
+        words += [rng.choice(WORDS) for _ in range(64)]
+    return " ".join(words)
+
+
+def conversation(args: argparse.Namespace) -> None:
+    """`--conversation`: one long conversation, prefix cache on and off (see the module docstring)."""
+    import openai
+
+    import clover_jax
+    from clover_jax import shipped
+    from clover_jax.serving.background import serve_in_background
+    from clover_jax.serving.engine import Engine
+    from clover_jax.tokenizer import load_tokenizer
+
+    model_dir = args.model or str(shipped.MODEL_DIR)
+    cfg, weights = clover_jax.load_model(model_dir)
+    tok = load_tokenizer(model_dir)
+    pages = [_page(tok, args.observation, k) for k in range(args.conversation)]
+    longest = 64 + sum(len(tok.encode(p)) + args.reply + 16 for p in pages)
+    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, -(-(longest + args.reply + 64) // 1024) * 1024))
+    walls: dict[bool, list[float]] = {}
+    table: list[tuple[int, int]] = []
+    for on in (True, False):
+        eng = Engine(weights, cfg, max_prompt=longest, max_tokens=args.reply, batch_sizes=(1,), prefill_rows=1,
+                     prefix_cache_gb=1.0 if on else 0.0)
+        t0 = time.perf_counter()
+        eng.warm_up(lambda line: None)
+        print(f"prefix cache {'on' if on else 'off'}: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        eng.start()
+        messages = [{"role": "system", "content": "You read pages and act."},
+                    {"role": "user", "content": "Task: find the letter sealed with wax."}]
+        walls[on] = []
+        with serve_in_background(eng, tok, cfg.name) as srv:
+            client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600)
+            for k, page in enumerate(pages):
+                t0 = time.perf_counter()
+                out = client.chat.completions.create(model=cfg.name, messages=messages, max_tokens=args.reply,
+                                                     temperature=0)
+                walls[on].append(time.perf_counter() - t0)
+                details = out.usage.prompt_tokens_details
+                if on:
+                    table.append((out.usage.prompt_tokens, details.cached_tokens if details else 0))
+                messages += [{"role": "assistant", "content": out.choices[0].message.content or ""},
+                             {"role": "user", "content": f"Observation {k + 1}: {page}"}]
+        eng.drain()
+    print(f"\n{args.conversation} steps, observations of about {args.observation} tokens, replies of {args.reply}")
+    print("| step | prompt tokens | reused (cache on) | prefilled (cache on) | wall, cache on | wall, cache off |")
+    print("|---|---|---|---|---|---|")
+    for k, ((n, cached), a, b) in enumerate(zip(table, walls[True], walls[False], strict=True), 1):
+        print(f"| {k} | {n:,} | {cached:,} | {n - cached:,} | {a:.2f} s | {b:.2f} s |")
+    top = max(walls[False] + walls[True])
+    print("\nstep time against conversation length (# cache on, . cache off):")
+    for (n, _), a, b in zip(table, walls[True], walls[False], strict=True):
+        print(f"{n:>7,} tokens  #{'#' * round(40 * a / top):<40} {a:.2f} s")
+        print(f"{'':>14}  .{'.' * round(40 * b / top):<40} {b:.2f} s")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.conversation:
+        conversation(args)
+        return
     import clover_jax
     from clover_jax import shipped
     from clover_jax.tokenizer import load_tokenizer
