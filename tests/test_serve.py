@@ -235,8 +235,8 @@ def test_concurrent_prompts_that_share_a_saved_prefix(shipped_engine):
 
 def test_the_prefix_cache_evicts_the_least_recently_used(shipped_engine):
     eng, tok, _ = shipped_engine
-    budget = eng.prefix_cache_gb
-    eng.prefix_cache_gb = 1.5 * eng.row_bytes / 1e9  # room for one saved prompt (the budget is read at each save)
+    budget = eng.prefix_store.budget_bytes
+    eng.prefix_store.budget_bytes = int(1.5 * eng.row_bytes)  # room for one saved prompt
     try:
         a, b = (tuple(tok.encode(t)) for t in ("GLOUCESTER:\nNow is the winter", "LEAR:\nBlow, winds"))
         _run_one(eng, request_of(a, 8), 0)
@@ -250,7 +250,7 @@ def test_the_prefix_cache_evicts_the_least_recently_used(shipped_engine):
         assert after.prefix_lookups == before.prefix_lookups + 1 and after.prefix_entries == 1
         assert got == alone(eng.weights, eng.cfg, list(r.prompt), r)
     finally:
-        eng.prefix_cache_gb = budget
+        eng.prefix_store.budget_bytes = budget
 
 
 def test_admissions_group_by_prompt_width():

@@ -46,6 +46,7 @@ from clover_jax.sampler.generate import check_block_length
 from clover_jax.sampler.settings import SamplerConfig, knobs, resolve_cache
 from clover_jax.sampler.step import pow2_widths, prefill_overlap
 from clover_jax.serving import program, speculative
+from clover_jax.serving.prefix_cache import Hit, PrefixStore
 from clover_jax.serving.requests import Draining, Event, QueueFull, Request, ServingError
 
 
@@ -192,7 +193,8 @@ class Engine:
         self.prefix_cache_note = why if self.prefix_cache_gb > 0 and not self.prefix_cache else None
         self.row_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
             lambda: self.forward_fn.init_cache(1, self.columns)))) if self.cache == "prefix" else 0
-        self._saved: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()  # LRU first
+        # the saved prompts' caches (its budget_bytes may be changed while serving)
+        self.prefix_store = PrefixStore(self.reuse_grain or 1, self.row_bytes, int(self.prefix_cache_gb * 1e9))
         self._reuse: dict[int, Any] = {}  # width of the new tokens -> the reusing admission program
         self._read: Any = None
         self.spec_columns = _round_up(self.max_tokens, bl)  # a self-speculative request's generated columns
@@ -360,7 +362,7 @@ class Engine:
                                len(self._queue) + len(self._spec_queue), sum(j is not None for j in self._slots)
                                + c.spec_running, self.capacity, c.blocks, c.rows_in_blocks, c.prefill_calls,
                                c.rows_prefilled, c.prefix_lookups, c.prefix_hits, c.prefix_tokens_reused,
-                               len(self._saved), len(self._saved) * self.row_bytes)
+                               len(self.prefix_store), self.prefix_store.nbytes)
 
     @property
     def draining(self) -> bool:
@@ -475,17 +477,20 @@ class Engine:
         then the rest from it."""
         fresh = []
         for slot, job in admitted:
-            prompt, g = job.req.prompt, self.reuse_grain or 1
+            prompt, g = job.req.prompt, self.prefix_store.grain
             hit = self._lookup(prompt, count=True)
             keep = job.req.keep if 0 < job.req.keep < len(prompt) else 0
-            if self.prefix_cache and keep >= g and (hit[2] if hit else 0) < keep - keep % g:
+            if self.prefix_cache and keep >= g and (hit.reused if hit else 0) < keep - keep % g:
                 stem = prompt[:keep]  # a hit here is a saved prompt no longer than the stem: the stem begins with it
                 if hit:
                     self._reuse_row(slot, job, stem, *hit)
                 else:
                     self._prefill_rows([(slot, job)], [stem])
-                self._save(slot, stem)
-                self._reuse_row(slot, job, prompt, self._saved[stem], keep, keep - keep % g)
+                saved = self._save(slot, stem)
+                if saved is not None:
+                    self._reuse_row(slot, job, prompt, saved, keep, keep - keep % g)
+                else:  # (not kept: one saved prompt is more than the budget) the whole prompt again
+                    self._prefill_rows([(slot, job)], [prompt])
                 self._counted(job, hit, calls=2)
             elif hit:
                 self._reuse_row(slot, job, prompt, *hit)
@@ -501,10 +506,10 @@ class Engine:
             for slot, job in admitted:
                 self._save(slot, job.req.prompt)
 
-    def _counted(self, job: _Job, hit: tuple[Any, int, int] | None, calls: int) -> None:
+    def _counted(self, job: _Job, hit: Hit | None, calls: int) -> None:
         """The counters of a request admitted through the prefix cache in `calls` calls; `hit`: what it reused of
         what was saved before it came."""
-        job.cached = hit[2] if hit else 0
+        job.cached = hit.reused if hit else 0
         with self._lock:
             c = self._count
             c.prefill_calls += calls
@@ -512,22 +517,15 @@ class Engine:
             c.prefix_hits += hit is not None
             c.prefix_tokens_reused += job.cached
 
-    def _lookup(self, prompt: tuple[int, ...], count: bool = False) -> tuple[Any, int, int] | None:
-        """The saved cache to admit `prompt` with: (cache, its prompt's length, tokens reused), the longest saved
-        prompt that `prompt` begins with, reused up to a whole number of `reuse_grain` tokens; None on a miss.
-        `count`: a lookup /metrics counts (one per request)."""
+    def _lookup(self, prompt: tuple[int, ...], count: bool = False) -> Hit | None:
+        """`prefix_store.lookup(prompt)` when the prefix cache is on (`count`: a lookup /metrics counts, one per
+        request)."""
         if not self.prefix_cache:
             return None
         if count:
             with self._lock:
                 self._count.prefix_lookups += 1
-        best = max((key for key in self._saved if len(key) <= len(prompt) and prompt[:len(key)] == key),
-                   key=len, default=None)
-        reused = 0 if best is None else len(best) // self.reuse_grain * self.reuse_grain
-        if best is None or reused == 0:
-            return None
-        self._saved.move_to_end(best)
-        return self._saved[best], len(best), reused
+        return self.prefix_store.lookup(prompt)
 
     def _reuse_row(self, slot: int, job: _Job, prompt: tuple[int, ...], saved: Any, saved_len: int,
                    reused: int) -> None:
@@ -540,20 +538,10 @@ class Engine:
                                          np.array([job.settings.n_blocks], np.int32), saved,
                                          np.int32(len(prompt) - saved_len), np.int32(reused))
 
-    def _save(self, slot: int, prompt: tuple[int, ...]) -> None:
-        """Keep row `slot`'s cache (its prompt just prefilled) for later prompts that begin with `prompt`, evicting
-        the least recently used within `prefix_cache_gb`."""
-        if len(prompt) < self.reuse_grain:
-            return
-        if prompt in self._saved:
-            self._saved.move_to_end(prompt)
-            return
-        budget = int(self.prefix_cache_gb * 1e9)
-        if self.row_bytes > budget:
-            return
-        while self._saved and (len(self._saved) + 1) * self.row_bytes > budget:
-            self._saved.popitem(last=False)
-        self._saved[prompt] = self._read(self._state.cache, np.int32(slot))
+    def _save(self, slot: int, prompt: tuple[int, ...]) -> Any | None:
+        """Keep row `slot`'s cache (its prompt just admitted) for later prompts that begin with `prompt`
+        (`PrefixStore.put`): the entry, or None when it cannot be kept."""
+        return self.prefix_store.put(prompt, lambda: self._read(self._state.cache, np.int32(slot)))
 
     def _groups(self, admitted: list[tuple[int, _Job]]) -> list[list[tuple[int, _Job]]]:
         """The admitted rows in admission calls: by prompt width (a short prompt never pays for a long one's
