@@ -14,8 +14,12 @@ Contract:
     ones; requests whose prompts share a prefill width are admitted together, up to `prefill_rows` in
     one call whose prefill runs their prompts as one batch; running rows stay in [0, n) and the call runs the
     smallest bucket that holds n, so one request alone runs at batch 1;
+  * with `prefix_cache_gb` (and a model whose prompt can be cut: `_reuse_grain`), every admitted prompt's cache
+    row is saved (`prefix_cache.PrefixStore`, least recently used out first) and a prompt that begins with a saved
+    one is admitted from it, prefilling only its new tokens (`program.admit_reusing`); a request's `keep` (a chat's
+    conversation before the assistant's opening) is saved too. Exact: the tokens are those of a full prefill;
   * a request's tokens depend only on itself (its own knobs and random key, exact caches), never on
-    what else shares the batch;
+    what else shares the batch or what was served before it;
   * with `self_speculative` (a causal-prefix model), a request that asks for it (`SamplerConfig.self_speculative`)
     runs alone on a lane of its own beside the rows, through the sampler's self-speculative program
     (`serving.speculative`), and gets its whole response in one event.
