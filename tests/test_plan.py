@@ -146,7 +146,7 @@ def test_plan_serve_compiles_the_block_and_prefill_programs(tmp_path, capsys):
     assert status == 0
     # the engine's columns: 40 -> 40 prompt columns + 16 generated, blocks of 8; its widest prefill: 48 columns
     assert "engine's block program (serving.program.advance) for 2 rows x 56 columns" in text
-    assert "one prompt of up to 48 columns" in text
+    assert "2 prompts of up to 48 columns" in text  # admitted together (--prefill-rows 4, at most the 2 rows)
     cache = _hybrid_cache_bytes(2, 56)
     assert f"cache (prefix): {cache / 1e6:.2f} MB for 2 rows x 56 columns" in text
     block, prefill = _figures(text, "program 'serve block'"), _figures(text, "program 'serve prefill'")

@@ -178,7 +178,8 @@ def test_a_prompt_that_begins_with_an_earlier_one_reuses_its_cache(shipped_engin
     longer = first + tuple(tok.encode(", dear friends, once more"))
     before = eng.stats()
     toks1, ev1 = _run_one(eng, request_of(first, 40), 0)
-    assert ev1.cached_tokens == 0 and eng.stats().prefix_hits == before.prefix_hits  # nothing saved began it
+    # (a shorter prompt another test sent, such as "KING", may begin it: then it reuses that much)
+    assert ev1.cached_tokens < len(first)
     r2 = request_of(longer, 40)
     toks2, ev2 = _run_one(eng, r2, 1)
     assert ev2.cached_tokens == len(first)
@@ -187,13 +188,13 @@ def test_a_prompt_that_begins_with_an_earlier_one_reuses_its_cache(shipped_engin
     assert ev3.cached_tokens == len(first) and toks3 == toks1
     after = eng.stats()
     assert (after.prefix_hits - before.prefix_hits, after.prefix_tokens_reused - before.prefix_tokens_reused) == (
-        2, 2 * len(first))
+        2 + (ev1.cached_tokens > 0), 2 * len(first) + ev1.cached_tokens)
     assert after.prefix_entries >= 2 and after.prefix_bytes == after.prefix_entries * eng.row_bytes
 
     sampled = request_of(tuple(tok.encode("PRINCE:\nRebellious subjects")), 40, temperature=0.9, seed=11)
     miss, ev_miss = _run_one(eng, sampled, 3)
     hit, ev_hit = _run_one(eng, sampled, 4)
-    assert (ev_miss.cached_tokens, ev_hit.cached_tokens) == (0, len(sampled.prompt)) and hit == miss
+    assert ev_miss.cached_tokens < len(sampled.prompt) == ev_hit.cached_tokens and hit == miss
 
 
 def test_a_chat_turn_saves_its_conversation_for_the_next(shipped_engine):
@@ -206,7 +207,7 @@ def test_a_chat_turn_saves_its_conversation_for_the_next(shipped_engine):
     turn = dataclasses.replace(request_of(conversation + tuple(tok.encode("assistant:")), 40), keep=len(conversation))
     before = eng.stats()
     got, ev = _run_one(eng, turn, 0)
-    assert ev.cached_tokens == 0 and got == alone(eng.weights, eng.cfg, list(turn.prompt), turn)
+    assert ev.cached_tokens < len(conversation) and got == alone(eng.weights, eng.cfg, list(turn.prompt), turn)
     mid = eng.stats()
     assert (mid.prefill_calls - before.prefill_calls, mid.rows_prefilled - before.rows_prefilled) == (2, 1)
     nxt = request_of(conversation + tuple(tok.encode("OPHELIA: Good my lord.\nassistant:")), 40)
@@ -278,6 +279,8 @@ def test_the_prefix_cache_is_off_where_a_prompt_cannot_be_cut():
     assert not earlier.prefix_cache and "cannot be cut inside a block" in earlier.prefix_cache_note
     assert Engine(None, get_config("clover-tiny"), cache="none", prefix_cache_gb=1).prefix_cache_note
     assert Engine(None, get_config("clover-tiny")).prefix_cache_note is None  # not asked for: nothing to say
+    small = Engine(None, get_config("clover-tiny"), prefix_cache_gb=1e-6)  # 1 kB: not one saved prompt
+    assert not small.prefix_cache and "more than prefix_cache_gb 1e-06" in small.prefix_cache_note
     with pytest.raises(ServingError, match="prefix_cache_gb must be >= 0"):
         Engine(None, get_config("clover-tiny"), prefix_cache_gb=-1)
 

@@ -327,15 +327,18 @@ def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: in
                                               f"row{'s' if rows > 1 else ''} x {s} columns, blocks of {bl}, "
                                               f"cache {mode}, state donated")]
     if mode == "prefix":
+        k = engine.admit_rows[-1]
         programs.append(ProgramCompile("serve prefill", f"the engine's widest prefill program (serving.program.admit):"
-                                                        f" one prompt of up to {engine.widths[-1]} columns"))
+                                                        f" {k} prompt{'s' if k > 1 else ''} of up to "
+                                                        f"{engine.widths[-1]} columns"))
     if not abstract:
         compiled = serve_programs(engine, structs)
         say(f"compiling the serving block program ({rows} rows x {s} columns) for {layout.topology}")
         programs[0].compiled = compile_jitted(*compiled["block", rows], mesh.mesh)
         if mode == "prefix" and programs[0].compiled.ok:
-            say(f"compiling the serving prefill program ({engine.widths[-1]} columns) for {layout.topology}")
-            programs[1].compiled = compile_jitted(*compiled["prefill", engine.widths[-1], 1], mesh.mesh)
+            widest = ("prefill", engine.widths[-1], engine.admit_rows[-1])
+            say(f"compiling the serving prefill program ({widest[2]} x {widest[1]} columns) for {layout.topology}")
+            programs[1].compiled = compile_jitted(*compiled[widest], mesh.mesh)
     g = s - -(-prompt_len // bl) * bl
     plan = ProgramPlan("serve", cfg, layout, spec_chip, fwd.dispatch if not abstract else
                        (dispatch or "chosen on the devices"), rows, prompt_len, s - g, gen_len, g, bl, mode,

@@ -19,7 +19,8 @@ Contract:
     one is admitted from it, prefilling only its new tokens (`program.admit_reusing`); a request's `keep` (a chat's
     conversation before the assistant's opening) is saved too. Exact: the tokens are those of a full prefill;
   * a request's tokens depend only on itself (its own knobs and random key, exact caches), never on
-    what else shares the batch or what was served before it;
+    what else shares the batch or what was served before it (up to float32 rounding: the batch bucket, the
+    admission size and a reused prefix change how some sums are cut and ordered);
   * with `self_speculative` (a causal-prefix model), a request that asks for it (`SamplerConfig.self_speculative`)
     runs alone on a lane of its own beside the rows, through the sampler's self-speculative program
     (`serving.speculative`), and gets its whole response in one event.
@@ -191,14 +192,18 @@ class Engine:
                 self.dispatch = choose_dispatch(self.mesh)
             self.forward_fn = ModelForward(cfg, self.dispatch, self.mesh)
         self.widths = pow2_widths(self.columns - bl, bl)  # the prompt widths a new row is prefilled in
+        self.row_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+            lambda: self.forward_fn.init_cache(1, self.columns)))) if self.cache == "prefix" else 0
         self.reuse_grain, why = _reuse_grain(cfg, self.cache, self.mesh)
+        budget = int(min(self.prefix_cache_gb, 1e6) * 1e9)  # (1 PB: "unbounded")
+        if self.reuse_grain is not None and self.row_bytes > budget > 0:
+            self.reuse_grain, why = None, (f"one saved prompt takes {self.row_bytes / 1e9:.2f} GB (a whole row's "
+                                           f"cache), more than prefix_cache_gb {self.prefix_cache_gb:g}")
         self.prefix_cache = self.prefix_cache_gb > 0 and self.reuse_grain is not None
         # why the prefix cache is off although asked for (None: on, or not asked for)
         self.prefix_cache_note = why if self.prefix_cache_gb > 0 and not self.prefix_cache else None
-        self.row_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-            lambda: self.forward_fn.init_cache(1, self.columns)))) if self.cache == "prefix" else 0
         # the saved prompts' caches (its budget_bytes may be changed while serving)
-        self.prefix_store = PrefixStore(self.reuse_grain or 1, self.row_bytes, int(self.prefix_cache_gb * 1e9))
+        self.prefix_store = PrefixStore(self.reuse_grain or 1, self.row_bytes, budget)
         self._reuse: dict[int, Any] = {}  # width of the new tokens -> the reusing admission program
         self._read: Any = None
         self.spec_columns = _round_up(self.max_tokens, bl)  # a self-speculative request's generated columns
@@ -484,7 +489,9 @@ class Engine:
             prompt, g = job.req.prompt, self.prefix_store.grain
             hit = self._lookup(prompt, count=True)
             keep = job.req.keep if 0 < job.req.keep < len(prompt) else 0
-            if self.prefix_cache and keep >= g and (hit.reused if hit else 0) < keep - keep % g:
+            store = self.prefix_store
+            if (self.prefix_cache and keep >= g and (hit.reused if hit else 0) < keep - keep % g
+                    and store.entry_bytes <= store.budget_bytes):
                 stem = prompt[:keep]  # a hit here is a saved prompt no longer than the stem: the stem begins with it
                 if hit:
                     self._reuse_row(slot, job, stem, *hit)
