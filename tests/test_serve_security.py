@@ -616,14 +616,15 @@ def test_the_parser_raises_only_request_errors(body, chat):
     if not isinstance(body, dict):
         return
     try:
-        prompt, thinking = chat_prompt(body, TOK, 3) if chat else (completion_prompt(body, TOK), False)
-        job = parse_job(body, engine, prompt, chat, {"temperature": 0.5}, max_n=4, thinking=thinking)
+        prompt, thinking, keep = chat_prompt(body, TOK, 3) if chat else (completion_prompt(body, TOK), False, 0)
+        job = parse_job(body, engine, prompt, chat, {"temperature": 0.5}, max_n=4, thinking=thinking, keep=keep)
     except (ApiError, ServingError) as e:
         assert str(e)
         return
     assert 1 <= len(job.requests) <= 4
     for req in job.requests:
         req.check(engine.block_length, engine.cache, engine.cfg.vocab_size, engine.max_prompt, engine.max_tokens)
+        assert 0 <= req.keep < len(req.prompt) and (req.keep == 0 or chat)  # a chat's conversation, never all of it
 
 
 def _check_answer(r: httpx.Response, allowed: set[int]) -> None:
