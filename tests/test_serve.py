@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -24,6 +23,7 @@ from clover_jax.config import get_config
 from clover_jax.model import params
 from clover_jax.sampler import SamplerConfig, generate
 from clover_jax.sampler.settings import knobs
+from clover_jax.serving.admission import NewRow
 from clover_jax.serving.engine import Engine
 from clover_jax.serving.requests import BadRequest, Draining, Event, QueueFull, Request, ServingError
 from clover_jax.tokenizer import load_tokenizer
@@ -189,7 +189,7 @@ def test_a_prompt_that_begins_with_an_earlier_one_reuses_its_cache(shipped_engin
     after = eng.stats()
     assert (after.prefix_hits - before.prefix_hits, after.prefix_tokens_reused - before.prefix_tokens_reused) == (
         2 + (ev1.cached_tokens > 0), 2 * len(first) + ev1.cached_tokens)
-    assert after.prefix_entries >= 2 and after.prefix_bytes == after.prefix_entries * eng.row_bytes
+    assert after.prefix_entries >= 2 and after.prefix_bytes == after.prefix_entries * eng.admission.row_bytes
 
     sampled = request_of(tuple(tok.encode("PRINCE:\nRebellious subjects")), 40, temperature=0.9, seed=11)
     miss, ev_miss = _run_one(eng, sampled, 3)
@@ -236,8 +236,8 @@ def test_concurrent_prompts_that_share_a_saved_prefix(shipped_engine):
 
 def test_the_prefix_cache_evicts_the_least_recently_used(shipped_engine):
     eng, tok, _ = shipped_engine
-    budget = eng.prefix_store.budget_bytes
-    eng.prefix_store.budget_bytes = int(1.5 * eng.row_bytes)  # room for one saved prompt
+    budget = eng.admission.store.budget_bytes
+    eng.admission.store.budget_bytes = int(1.5 * eng.admission.row_bytes)  # room for one saved prompt
     try:
         a, b = (tuple(tok.encode(t)) for t in ("GLOUCESTER:\nNow is the winter", "LEAR:\nBlow, winds"))
         _run_one(eng, request_of(a, 8), 0)
@@ -251,19 +251,21 @@ def test_the_prefix_cache_evicts_the_least_recently_used(shipped_engine):
         assert after.prefix_lookups == before.prefix_lookups + 1 and after.prefix_entries == 1
         assert got == alone(eng.weights, eng.cfg, list(r.prompt), r)
     finally:
-        eng.prefix_store.budget_bytes = budget
+        eng.admission.store.budget_bytes = budget
 
 
 def test_admissions_group_by_prompt_width():
     cfg = get_config("clover-tiny")
     eng = Engine(None, cfg, max_prompt=100, max_tokens=32, batch_sizes=(1, 8), prefill_rows=4)
-    assert (eng.widths, eng.admit_rows) == ((32, 64, 128), (1, 2, 4))
+    adm = eng.admission
+    assert (adm.widths, adm.admit_rows) == ((32, 64, 128), (1, 2, 4))
+    assert [adm.width(n) for n in (0, 1, 32, 33, 128)] == [32, 32, 32, 64, 128]
     lengths = [10, 70, 20, 5, 30, 90, 8]  # widths 32, 128, 32, 32, 32, 128, 32
-    admitted = [(slot, SimpleNamespace(req=SimpleNamespace(prompt=(3,) * n))) for slot, n in enumerate(lengths)]
-    groups = [[slot for slot, _ in g] for g in eng._groups(admitted)]
+    admitted = [NewRow(slot, (3,) * n, 0, SamplerConfig()) for slot, n in enumerate(lengths)]
+    groups = [[r.slot for r in g] for g in adm.groups(admitted)]
     assert groups == [[0, 2, 3, 4], [6], [1, 5]]  # at most 4 to a call, queue order within a width
-    assert Engine(None, cfg, batch_sizes=(1, 8), prefill_rows=6).admit_rows == (1, 2, 4, 6)
-    assert Engine(None, cfg, batch_sizes=(1, 2), prefill_rows=6).admit_rows == (1, 2)  # never more than the rows
+    assert Engine(None, cfg, batch_sizes=(1, 8), prefill_rows=6).admission.admit_rows == (1, 2, 4, 6)
+    assert Engine(None, cfg, batch_sizes=(1, 2), prefill_rows=6).admission.admit_rows == (1, 2)  # at most the rows
     with pytest.raises(ServingError, match="prefill_rows must be a positive integer"):
         Engine(None, cfg, prefill_rows=0)
 
@@ -272,14 +274,15 @@ def test_the_prefix_cache_is_off_where_a_prompt_cannot_be_cut():
     """Exact reuse needs the state after the saved tokens: any cut of a causal-prefix model's prompt, whole prompt
     blocks of a block-causal attention-only model; a hybrid read in longer clean blocks cannot be cut."""
     on = Engine(None, get_config("clover-tiny"), prefix_cache_gb=1)
+    on = on.admission
     assert (on.prefix_cache, on.reuse_grain, on.prefix_cache_note) == (True, 1, None)
-    attention = Engine(None, get_config("clover-tiny-attention"), prefix_cache_gb=1)
+    attention = Engine(None, get_config("clover-tiny-attention"), prefix_cache_gb=1).admission
     assert attention.prefix_cache and attention.reuse_grain == attention.cfg.block_size > 1
-    earlier = Engine(None, get_config("clover-tiny").replace(bd_gdn="reconstructed"), prefix_cache_gb=1)
+    earlier = Engine(None, get_config("clover-tiny").replace(bd_gdn="reconstructed"), prefix_cache_gb=1).admission
     assert not earlier.prefix_cache and "cannot be cut inside a block" in earlier.prefix_cache_note
-    assert Engine(None, get_config("clover-tiny"), cache="none", prefix_cache_gb=1).prefix_cache_note
-    assert Engine(None, get_config("clover-tiny")).prefix_cache_note is None  # not asked for: nothing to say
-    small = Engine(None, get_config("clover-tiny"), prefix_cache_gb=1e-6)  # 1 kB: not one saved prompt
+    assert Engine(None, get_config("clover-tiny"), cache="none", prefix_cache_gb=1).admission.prefix_cache_note
+    assert Engine(None, get_config("clover-tiny")).admission.prefix_cache_note is None  # not asked for: nothing to say
+    small = Engine(None, get_config("clover-tiny"), prefix_cache_gb=1e-6).admission  # 1 kB: not one saved prompt
     assert not small.prefix_cache and "more than prefix_cache_gb 1e-06" in small.prefix_cache_note
     with pytest.raises(ServingError, match="prefix_cache_gb must be >= 0"):
         Engine(None, get_config("clover-tiny"), prefix_cache_gb=-1)
@@ -297,7 +300,7 @@ def test_a_padding_row_of_an_admission_writes_nothing():
     eng = Engine(weights, cfg, block_length=8, max_prompt=8, max_tokens=8, batch_sizes=(3,))
     state = program.empty_state(cfg, fwd, 3, eng.columns, 8, "prefix")
     job = Request((5, 6, 7), 8, SamplerConfig(temperature=0.5, seed=3))
-    row = eng._row(job.prompt)
+    row = eng.admission.row(job.prompt)
     kn = jax.tree.map(lambda *x: np.stack(x), *[knobs(job.row_settings(8), cfg)] * 2)
     got = program.admit(cfg, fwd, 8, "prefix", 8, weights, state, np.array([1, 3], np.int32),
                         *(np.stack([x, x]) for x in row), kn, np.array([1, 1], np.int32))

@@ -48,7 +48,8 @@ def _hlo(exe) -> str:
 def test_plan_compiles_the_programs_serve_runs(engine):
     eng, shardings = engine
     planned = serve_programs(eng, params.shape_structs(CFG, shardings))  # what `clover plan --serve` compiles
-    served = {("block", 2): eng._advance[2], ("prefill", 8, 1): eng._admit[8, 1], ("prefill", 8, 2): eng._admit[8, 2],
+    served = {("block", 2): eng._advance[2], ("prefill", 8, 1): eng.admission._prefill[8, 1],
+              ("prefill", 8, 2): eng.admission._prefill[8, 2],
               ("move", 0): eng._move}  # warm_up's
     assert set(planned) == set(served)
     for key, exe in served.items():

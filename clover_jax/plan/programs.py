@@ -287,7 +287,7 @@ def serve_programs(engine: Any, weights: Any) -> dict[tuple[Any, ...], tuple[Any
     """What `clover plan --serve` compiles: the engine's own programs (`Engine.programs`, the ones `clover serve`
     compiles before it listens) with `weights` and the engine's state as ShapeDtypeStructs in their shardings."""
     state = serving_program.abstract_state(engine.cfg, engine.forward_fn, engine.capacity, engine.columns,
-                                           engine.block_length, engine.cache, engine.mesh)
+                                           engine.block_length, engine.cache, engine.mesh, engine.scaffold)
     return engine.programs(weights, state)
 
 
@@ -319,7 +319,7 @@ def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: in
         passes["refine"] = _pass(cfg, layout, by_kind, "refine", rows, s, s, bl, 0.0)
     else:
         one_row = cache_bytes_per_chip(cfg, layout, 1, s)
-        passes["prefill"] = _pass(cfg, layout, by_kind, "prefill", 1, engine.widths[-1], s, 1, one_row)
+        passes["prefill"] = _pass(cfg, layout, by_kind, "prefill", 1, engine.admission.widths[-1], s, 1, one_row)
         passes["first"] = _pass(cfg, layout, by_kind, "first", rows, 2 * bl, s, bl, cache_chip)
         passes["refine"] = _pass(cfg, layout, by_kind, "refine", rows, bl, s, bl, cache_chip)
 
@@ -327,16 +327,16 @@ def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: in
                                               f"row{'s' if rows > 1 else ''} x {s} columns, blocks of {bl}, "
                                               f"cache {mode}, state donated")]
     if mode == "prefix":
-        k = engine.admit_rows[-1]
+        k = engine.admission.admit_rows[-1]
         programs.append(ProgramCompile("serve prefill", f"the engine's widest prefill program (serving.program.admit):"
                                                         f" {k} prompt{'s' if k > 1 else ''} of up to "
-                                                        f"{engine.widths[-1]} columns"))
+                                                        f"{engine.admission.widths[-1]} columns"))
     if not abstract:
         compiled = serve_programs(engine, structs)
         say(f"compiling the serving block program ({rows} rows x {s} columns) for {layout.topology}")
         programs[0].compiled = compile_jitted(*compiled["block", rows], mesh.mesh)
         if mode == "prefix" and programs[0].compiled.ok:
-            widest = ("prefill", engine.widths[-1], engine.admit_rows[-1])
+            widest = ("prefill", engine.admission.widths[-1], engine.admission.admit_rows[-1])
             say(f"compiling the serving prefill program ({widest[2]} x {widest[1]} columns) for {layout.topology}")
             programs[1].compiled = compile_jitted(*compiled[widest], mesh.mesh)
     g = s - -(-prompt_len // bl) * bl
@@ -346,7 +346,7 @@ def plan_serve(cfg: ModelConfig, layout: Layout, *, prompt_len: int, gen_len: in
                        cache_bytes(cfg, rows, s) if mode == "prefix" else 0, cache_chip, total, per_chip,
                        programs, passes, method, note, steps=g)
     plan.activations_estimate = _activations(cfg, layout, 1 if mode == "prefix" else rows,
-                                             engine.widths[-1] if mode == "prefix" else s, s, bl)
+                                             engine.admission.widths[-1] if mode == "prefix" else s, s, bl)
     return plan
 
 

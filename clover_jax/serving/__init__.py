@@ -1,8 +1,9 @@
 """Serving: `clover serve`'s batching engine and its OpenAI-compatible HTTP face.
 
 `requests` (what a client asks for, what it gets back, the errors), `program` (the compiled
-per-block programs over rows that each run their own request), `engine` (the queue and the
-scheduler thread).
+per-block programs over rows that each run their own request), `admission` (queued requests into
+rows: prefill widths, batched prefill, the prefix cache of `prefix_cache`), `stats` (the counters)
+and `engine` (the queue and the scheduler thread).
 
 The HTTP layer (which needs the `serve` extra): `api` (the routes and `make_app`), `http_request`
 (a request body's fields and limits, parsed into a `Job`), `choices` (a Job's choices in the engine:

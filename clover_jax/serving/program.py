@@ -19,7 +19,7 @@ so attention is exactly the block-causal attention of `sampler.program`'s canvas
 the prompt's at admission and a block's when it is committed.
 
 Programs (all take and return the whole `SlotState`, whose buffers they donate):
-  admit(state, slots, rows..., knobs, n_blocks)
+  admit(state, slots, rows..., knobs, n_blocks, scaffolds)
                                       write k new requests into rows `slots` [k] (k static: the engine
                                       admits queued requests together); with a cache, run their prompts in
                                       one batched prefill (the rightmost W columns before the first block,
@@ -60,6 +60,15 @@ Array = jax.Array
 SERVE_CACHE_MODES = ("none", "prefix")
 
 
+class Scaffolds(NamedTuple):
+    """Each row's scaffold (`requests.Scaffold`) over its generated columns G (the engine's generated columns and
+    one block more, so the next block's slice is always in range), [B, ...] leaves."""
+
+    tokens: Array  # [B, G] int32: a token fixed at the column (committed before the model runs the block), or -1
+    classes: Array  # [B, G] int32: 0 any token; c >= 1 only the tokens of allowed[:, c - 1]
+    allowed: Array  # [B, C, V] bool: each row's token classes
+
+
 class SlotState(NamedTuple):
     """Every row of the engine, on device. Cache leaves are [layers, B, ...] (`model.cache.KVCache`)."""
 
@@ -72,6 +81,7 @@ class SlotState(NamedTuple):
     block: Array  # [B] int32 index of the current generated block
     n_blocks: Array  # [B] int32 blocks the request runs at most
     knobs: Knobs  # [B] leaves: each row's traced settings
+    scaffold: Scaffolds | None = None  # with an engine that takes scaffolds: each row's
 
 
 class BlockOut(NamedTuple):
@@ -91,14 +101,17 @@ def state_shardings(state: SlotState, mesh: MeshRules) -> SlotState:
         return mesh.sharding(("batch",) + (None,) * (x.ndim - 1))
 
     cache = None if state.cache is None else kv_cache.shardings(state.cache, mesh)
+    scaffold = None if state.scaffold is None else Scaffolds(*(rows(x) for x in state.scaffold))
     return SlotState(rows(state.canvas), rows(state.valid), rows(state.blocks), cache, rows(state.active),
-                     rows(state.fresh), rows(state.block), rows(state.n_blocks), Knobs(*(rows(x) for x in state.knobs)))
+                     rows(state.fresh), rows(state.block), rows(state.n_blocks), Knobs(*(rows(x) for x in state.knobs)),
+                     scaffold)
 
 
 def empty_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, columns: int, block_length: int,
-                cache: str) -> SlotState:
+                cache: str, scaffold: tuple[int, int] | None = None) -> SlotState:
     """A state with no running row. Idle rows hold one valid filler token and a block of masks, so
-    every row's attention has a key and stays finite; their knobs are the defaults'."""
+    every row's attention has a key and stays finite; their knobs are the defaults'. `scaffold`: (generated
+    columns G, token classes C) of rows that take scaffolds (none fixed, every token allowed)."""
     s, bl = columns, block_length
     col = jnp.arange(s)
     canvas = jnp.where(col >= s - bl, cfg.mask_token_id, cfg.filler_id).astype(jnp.int32)
@@ -109,15 +122,21 @@ def empty_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, columns:
     idle = knobs(SamplerConfig(gen_length=bl, block_length=bl), cfg)
     zi, no = jnp.zeros((capacity,), jnp.int32), jnp.zeros((capacity,), bool)
     rows = Knobs(*(jnp.full((capacity,), x) for x in idle))
+    scaffolds = None
+    if scaffold is not None:
+        g, c = scaffold
+        scaffolds = Scaffolds(jnp.full((capacity, g), -1, jnp.int32), jnp.zeros((capacity, g), jnp.int32),
+                              jnp.ones((capacity, c, cfg.vocab_size), bool))
     # every leaf its own buffer: the programs donate the state
-    return jax.tree.map(jnp.copy, SlotState(rep(canvas), rep(valid), rep(blocks), kv, no, no, zi, zi + 1, rows))
+    return jax.tree.map(jnp.copy, SlotState(rep(canvas), rep(valid), rep(blocks), kv, no, no, zi, zi + 1, rows,
+                                            scaffolds))
 
 
 def abstract_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, columns: int, block_length: int,
-                   cache: str, mesh: MeshRules | None = None) -> SlotState:
+                   cache: str, mesh: MeshRules | None = None, scaffold: tuple[int, int] | None = None) -> SlotState:
     """`empty_state`'s shapes as ShapeDtypeStructs (nothing allocated), in `state_shardings` on a mesh:
     the state argument for lowering the programs without data."""
-    shapes = jax.eval_shape(lambda: empty_state(cfg, forward_fn, capacity, columns, block_length, cache))
+    shapes = jax.eval_shape(lambda: empty_state(cfg, forward_fn, capacity, columns, block_length, cache, scaffold))
     if mesh is None:
         return shapes
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
@@ -126,12 +145,14 @@ def abstract_state(cfg: ModelConfig, forward_fn: ForwardFn, capacity: int, colum
 
 def row_args(state: SlotState, rows: int = 1) -> tuple:
     """The arguments of `admit` after the state for `rows` new requests, as unsharded ShapeDtypeStructs: slots
-    [rows], canvas / valid / blocks [rows, S], their knobs ([rows] leaves of the state's knob dtypes) and their
-    blocks [rows]."""
+    [rows], canvas / valid / blocks [rows, S], their knobs ([rows] leaves of the state's knob dtypes), their
+    blocks [rows] and their scaffolds (None when the state takes none)."""
     s = state.canvas.shape[1]
     sds = jax.ShapeDtypeStruct
+    scaffold = None if state.scaffold is None else Scaffolds(
+        *(sds((rows, *x.shape[1:]), x.dtype) for x in state.scaffold))
     return (sds((rows,), jnp.int32), sds((rows, s), jnp.int32), sds((rows, s), jnp.bool_), sds((rows, s), jnp.int32),
-            Knobs(*(sds((rows,), x.dtype) for x in state.knobs)), sds((rows,), jnp.int32))
+            Knobs(*(sds((rows,), x.dtype) for x in state.knobs)), sds((rows,), jnp.int32), scaffold)
 
 
 def _jit(fn: Any, donate: int, out_shardings: Any, mesh: MeshRules | None) -> Any:
@@ -167,11 +188,12 @@ def move_program(state: SlotState, mesh: MeshRules | None = None) -> Any:
 
 def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str, width: int, weights: Any,
           state: SlotState, slots: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
-          n_blocks: Array) -> SlotState:
+          n_blocks: Array, scaffold: Scaffolds | None = None) -> SlotState:
     """Rows `slots` [k] := k new requests (canvas / valid / blocks [k, S], their knobs with [k] leaves, their blocks
-    [k]); a slot outside the state's rows is a padding row (the engine repeats a real request there) and writes
-    nothing. With the prefix cache, also their prompts' K/V (and Gated DeltaNet states), written in one batched
-    prefill from the `width` columns before the first block, which hold every prompt (`width` is static, one of the
+    [k], their scaffolds, whose first block's fixed tokens the canvas already holds); a slot outside the state's
+    rows is a padding row (the engine repeats a real request there) and writes nothing. With the prefix cache, also
+    their prompts' K/V (and Gated DeltaNet states), written in one batched prefill from the `width` columns before
+    the first block, which hold every prompt (`width` is static, one of the
     engine's prefill widths), in windows of `cfg.prefill_chunk` tokens shared by the k rows (`step.prefill`)."""
     k, s, bl = canvas.shape[0], canvas.shape[1], block_length
     kv = state.cache
@@ -184,24 +206,27 @@ def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str
         new = denoise.prefill(run, forward_fn.init_cache(k, s), s - bl - width, width, denoise.prefill_columns(cfg, k),
                               denoise.prefill_overlap(cfg, cfg.block_size))
         kv = kv_cache.write_rows(kv, new, slots)
-    return _install(state, slots, canvas, valid, blocks, row_knobs, n_blocks, kv)
+    return _install(state, slots, canvas, valid, blocks, row_knobs, n_blocks, kv, scaffold)
 
 
 def _install(state: SlotState, slots: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
-             n_blocks: Array, kv: Any) -> SlotState:
+             n_blocks: Array, kv: Any, scaffold: Scaffolds | None) -> SlotState:
     """`state` with rows `slots` [k] running new requests (cache `kv` already written); see `admit`."""
     def put(x: Array, rows: Array) -> Array:
         return x.at[slots].set(jnp.asarray(rows, x.dtype), mode="drop")
 
+    scaffolds = state.scaffold
+    if scaffolds is not None:
+        scaffolds = Scaffolds(*(put(x, new) for x, new in zip(scaffolds, scaffold, strict=True)))
     return SlotState(put(state.canvas, canvas), put(state.valid, valid), put(state.blocks, blocks), kv,
                      put(state.active, True), put(state.fresh, True), put(state.block, 0),
                      put(state.n_blocks, n_blocks),
-                     Knobs(*(put(x, kn) for x, kn in zip(state.knobs, row_knobs, strict=True))))
+                     Knobs(*(put(x, kn) for x, kn in zip(state.knobs, row_knobs, strict=True))), scaffolds)
 
 
 def admit_reusing(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, width: int, weights: Any,
                   state: SlotState, slots: Array, canvas: Array, valid: Array, blocks: Array, row_knobs: Knobs,
-                  n_blocks: Array, saved: Any, shift: Array, reused: Array) -> SlotState:
+                  n_blocks: Array, scaffold: Scaffolds | None, saved: Any, shift: Array, reused: Array) -> SlotState:
     """`admit` for one request (`admit`'s arguments with one row) whose prompt begins with `reused` tokens that an
     earlier admission already ran: `saved` is `model.cache.read_row` of that row right after it (the K/V at its
     prompt's columns, the Gated DeltaNet state after its prompt). Only the rest of the prompt is prefilled.
@@ -231,7 +256,7 @@ def admit_reusing(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, wi
     kv = denoise.prefill(run, kv, lo, width, denoise.prefill_columns(cfg, 1),
                          denoise.prefill_overlap(cfg, cfg.block_size))
     kv = kv_cache.write_rows(state.cache, kv_cache.resize_columns(kv, s), slots)
-    return _install(state, slots, canvas, valid, blocks, row_knobs, n_blocks, kv)
+    return _install(state, slots, canvas, valid, blocks, row_knobs, n_blocks, kv, scaffold)
 
 
 def reuse_program(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, width: int, state: SlotState,
@@ -256,7 +281,8 @@ def move(state: SlotState, src: Array, dst: Array) -> SlotState:
         canvas=row(state.canvas), valid=row(state.valid), blocks=row(state.blocks),
         cache=kv_cache.move_row(state.cache, src, dst), active=row(state.active).at[src].set(False),
         fresh=row(state.fresh), block=row(state.block), n_blocks=row(state.n_blocks),
-        knobs=Knobs(*(row(x) for x in state.knobs)))
+        knobs=Knobs(*(row(x) for x in state.knobs)),
+        scaffold=None if state.scaffold is None else Scaffolds(*(row(x) for x in state.scaffold)))
 
 
 class _Loop(NamedTuple):
@@ -301,10 +327,15 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         return cv[:, s - bl:] == mask_id
 
     def live(st: _Loop) -> Array:
-        return active & (st.step < row_knobs.steps_per_block) & jnp.any(masked_of(st.canvas), axis=1)
+        # a block opened with every column fixed by its scaffold still runs one pass: the pass that commits the
+        # block before it (its K/V, the Gated DeltaNet state over it)
+        return active & (st.step < row_knobs.steps_per_block) & (jnp.any(masked_of(st.canvas), axis=1)
+                                                                 | (st.step == 0))
 
     def step(st: _Loop) -> _Loop:
         logits, kv, calls = passes(st)
+        if allowed is not None:
+            logits = jnp.where(allowed, logits, -jnp.inf)
         keys = jax.vmap(jax.random.split)(jax.vmap(jax.random.fold_in, (0, None))(base_keys, st.step))
         # earlier blocks hold no end token (a row stops at its first), so the block alone decides the stop
         blk, _ = denoise.commit(logits, st.canvas[:, s - bl:], 0, row_knobs, keys[:, 0], keys[:, 1], st.n_sched,
@@ -312,6 +343,11 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         cv = st.canvas.at[:, s - bl:].set(blk)
         return _Loop(cv, kv, st.step + 1, st.passes + calls, st.row_passes + live(st), st.n_sched)
 
+    at = lambda x, j: jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i * bl, bl))(x[:b], j)  # [b, L] of block j
+    allowed = None
+    if state.scaffold is not None:  # the tokens each column of the block may take: [b, L, V]
+        cls = at(state.scaffold.classes, blk_idx)
+        allowed = state.scaffold.allowed[jnp.arange(b)[:, None], jnp.maximum(cls - 1, 0)] | (cls == 0)[..., None]
     cv0 = state.canvas[:b]
     n_sched = jnp.sum(masked_of(cv0), axis=1)
     # the response so far: the committed blocks and the current one, the last (block + 1) L columns of a row
@@ -330,7 +366,11 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
         rolled = jnp.concatenate([x[:, bl:], new], axis=1)
         return jnp.where(go_on[:, None], rolled, x)
 
-    canvas = shift(st.canvas, jnp.full((b, bl), mask_id, jnp.int32))
+    opened = jnp.full((b, bl), mask_id, jnp.int32)
+    if state.scaffold is not None:  # block j+1 opens with its scaffold's fixed tokens
+        fixed = at(state.scaffold.tokens, blk_idx + 1)
+        opened = jnp.where(fixed >= 0, fixed, opened)
+    canvas = shift(st.canvas, opened)
     valid_n = shift(valid, jnp.ones((b, bl), bool))
     # the committed block is clean from now on: its ids become those of clean columns (for a causal-prefix model
     # its positions: causal attention), the new block's S + j + 1
@@ -343,5 +383,5 @@ def advance(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: s
     new = SlotState(
         state.canvas.at[:b].set(canvas), state.valid.at[:b].set(valid_n), state.blocks.at[:b].set(ids_n), kv,
         state.active.at[:b].set(go_on), state.fresh.at[:b].set(fresh & ~active),
-        state.block.at[:b].set(jnp.where(go_on, blk_idx + 1, blk_idx)), state.n_blocks, state.knobs)
+        state.block.at[:b].set(jnp.where(go_on, blk_idx + 1, blk_idx)), state.n_blocks, state.knobs, state.scaffold)
     return new, BlockOut(out_blk, finished, stopped, st.passes, st.row_passes)

@@ -43,18 +43,48 @@ def cache_choices(cache: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Scaffold:
+    """Tokens a request's response is written around: `tokens[i]` is fixed at generated column i (committed as the
+    model's own before its block runs) or -1 (the model writes it); `classes[i]` (missing: 0) restricts what the
+    model may write there: 0 any token, c >= 1 only the token ids of `allowed[c - 1]` (the logits of every other
+    token are -inf). A serving client builds one to write a tool call's frame and keys and let the model fill in
+    the values (`serving.scaffold`); an end token fixed at a column ends the response there."""
+
+    tokens: tuple[int, ...]
+    classes: tuple[int, ...] = ()
+    allowed: tuple[tuple[int, ...], ...] = ()
+
+    def check(self, vocab_size: int, columns: int, n_classes: int) -> str | None:
+        """The first problem with this scaffold for a row of `columns` generated columns and `n_classes` token
+        classes, or None."""
+        if len(self.tokens) > columns or len(self.classes) > columns:
+            return f"the scaffold covers {max(len(self.tokens), len(self.classes))} tokens, more than max_tokens"
+        if any(not -1 <= t < vocab_size for t in self.tokens):
+            return f"a scaffold token id is outside [0, {vocab_size})"
+        if len(self.allowed) > n_classes:
+            return f"the scaffold has {len(self.allowed)} token classes; this server takes at most {n_classes}"
+        if any(not 0 <= c <= len(self.allowed) for c in self.classes):
+            return "a scaffold column names a token class it does not define"
+        if any(not group or any(not 0 <= t < vocab_size for t in group) for group in self.allowed):
+            return "a scaffold token class is empty or holds a token id outside the vocabulary"
+        return None
+
+
+@dataclass(frozen=True)
 class Request:
     """One generation: its prompt, at most `max_tokens` tokens (rounded up to whole blocks inside the engine; the
     tokens it reports never exceed `max_tokens`), and the sampler settings it runs with (`sampling`: its traced
     settings; the engine fixes those of `settings.SERVER_FIXED`, which must be left at their defaults or set to the
     engine's own values). `sampling.steps_per_block` defaults to block_length: one token a step. `keep`: the
     prompt's first tokens that a later request is likely to begin with (a chat's conversation without the
-    assistant's opening), which the engine's prefix cache also saves; 0: the whole prompt."""
+    assistant's opening), which the engine's prefix cache also saves; 0: the whole prompt. `scaffold`: tokens fixed
+    in the response and what the model may write around them (`Scaffold`), on an engine that takes scaffolds."""
 
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplerConfig = field(default_factory=SamplerConfig)
     keep: int = 0
+    scaffold: Scaffold | None = None
 
     def row_settings(self, block_length: int) -> SamplerConfig:
         """The settings the request's row runs with: `sampling` over its whole blocks of the engine's length
@@ -64,12 +94,14 @@ class Request:
                                      cache="auto", block_grid="auto")
 
     def check(self, block_length: int, cache: str, vocab_size: int, max_prompt: int, max_tokens: int,
-              spell: Mapping[str, str] | None = None, given: Collection[str] = (), speculative: bool = False) -> None:
+              spell: Mapping[str, str] | None = None, given: Collection[str] = (), speculative: bool = False,
+              scaffold_classes: int | None = None) -> None:
         """Raise BadRequest naming the first problem (cheap, before the request is queued); settings are named as
         `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `settings.SERVER_FIXED` must be
         left at its default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows),
         which must be the engine's even when they equal the default. `speculative`: the engine serves
-        self-speculative requests (`Engine.self_speculative`)."""
+        self-speculative requests (`Engine.self_speculative`); `scaffold_classes`: the token classes a scaffold may
+        define (None: the engine takes no scaffolds)."""
         name = (lambda n: (spell or {}).get(n, n))
 
         def need(ok: bool, msg: str, param: str | None = None) -> None:
@@ -95,6 +127,12 @@ class Request:
         need(not s.self_speculative or speculative,
              f"{name('self_speculative')} needs a server started with --self-speculative (this one is not)",
              name("self_speculative"))
+        if self.scaffold is not None:
+            need(scaffold_classes is not None, "this server takes no scaffolds", "scaffold")
+            need(not s.self_speculative, "a scaffolded request cannot be self-speculative", "scaffold")
+            columns = -(-self.max_tokens // block_length) * block_length
+            problem = self.scaffold.check(vocab_size, columns, scaffold_classes or 0)
+            need(problem is None, str(problem), "scaffold")
         for key in SERVER_FIXED:
             if key not in ("block_length", "cache", "self_speculative"):
                 need(getattr(s, key) == SETTINGS[key].default,

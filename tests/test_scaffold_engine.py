@@ -1,0 +1,101 @@
+"""The serving engine's scaffolds (`requests.Scaffold`): tokens fixed in a response before the model runs their block,
+and columns whose tokens are restricted to a class; a scaffolded request shares the batch with plain ones, which
+still get what `generate` gives them alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from clover_jax import shipped
+from clover_jax.checkpoint import load_model
+from clover_jax.sampler import SamplerConfig, generate
+from clover_jax.serving.engine import Engine
+from clover_jax.serving.requests import BadRequest, Event, Request, Scaffold
+from clover_jax.tokenizer import load_tokenizer
+
+L = 32
+pytestmark = pytest.mark.xdist_group("scaffold")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg, weights = load_model(str(shipped.MODEL_DIR))
+    tok = load_tokenizer(str(shipped.MODEL_DIR))
+    eng = Engine(weights, cfg, max_prompt=32, max_tokens=96, batch_sizes=(2,), prefill_rows=2, scaffold_classes=2)
+    eng.start()
+    yield eng, tok
+    eng.drain(timeout=120)
+
+
+def _run(eng: Engine, reqs: list[Request]) -> list[tuple[list[int], Event]]:
+    done = threading.Event()
+    events: dict[int, list[Event]] = {i: [] for i in range(len(reqs))}
+
+    def sink(i: int):
+        def on(ev: Event) -> None:
+            events[i].append(ev)
+            if all(evs and evs[-1].finish_reason for evs in events.values()):
+                done.set()
+        return on
+
+    with eng._lock:  # admitted together, one batch
+        for i, r in enumerate(reqs):
+            eng.submit(r, sink(i))
+    assert done.wait(300)
+    return [([t for ev in events[i] for t in ev.tokens], events[i][-1]) for i in range(len(reqs))]
+
+
+def test_fixed_tokens_and_classes_hold_and_a_plain_row_beside_is_unchanged(engine):
+    eng, tok = engine
+    cfg = eng.cfg
+    prompt = tuple(tok.encode("KING HENRY:\nOnce more unto the breach"))
+    digits = tuple(sorted({t for d in "0123456789" for t in tok.encode(d) if tok.decode([t]).strip() == d}))
+    frame = tok.encode(" dear friends, once more")
+    tokens = [-1] * 70
+    tokens[3:3 + len(frame)] = frame  # inside the first block
+    tokens[40] = frame[0]  # inside the second
+    tokens[66] = cfg.eos_token_id  # the end, in the third
+    classes = [0] * 70
+    classes[50:56] = [1] * 6  # digits only
+    scaffolded = Request(prompt, 96, SamplerConfig(), scaffold=Scaffold(tuple(tokens), tuple(classes), (digits,)))
+    plain = Request(prompt, 96, SamplerConfig())
+    (got, ev), (got_plain, _) = _run(eng, [scaffolded, plain])
+    assert got[3:3 + len(frame)] == frame and got[40] == frame[0]
+    assert all(t in digits for t in got[50:56]), [tok.decode([t]) for t in got[50:56]]
+    assert ev.finish_reason == "stop" and len(got) == 66  # the fixed end token ended it there
+    want = generate(eng.weights, cfg, [list(prompt)], plain.row_settings(L).replace(cache="prefix")).tokens[0][:96]
+    assert got_plain == want
+    free = _run(eng, [plain])[0][0]
+    assert free[3:3 + len(frame)] != frame  # (so the fixed tokens above were the scaffold's, not the model's own)
+
+
+def test_a_block_fixed_whole_still_commits_the_block_before(engine):
+    """A block whose every column is fixed runs no refinement, but the pass that commits the block before it must
+    still run (with the prefix cache it writes that block's K/V and the Gated DeltaNet state over it): fixed to what
+    the model writes there anyway, the tokens after it are the model's own."""
+    eng, tok = engine
+    prompt = tuple(tok.encode("ROMEO:\nBut soft, what light"))
+    sampled = SamplerConfig(temperature=1.0, seed=3)  # (sampled tokens notice a small change in the logits)
+    free, ev_free = _run(eng, [Request(prompt, 96, sampled)])[0]
+    whole = tuple([-1] * L + free[L:2 * L])  # block 2 fixed to what the model wrote there
+    got, ev = _run(eng, [Request(prompt, 96, sampled, scaffold=Scaffold(whole))])[0]
+    assert got == free
+    assert ev.passes == ev_free.passes - L + 1  # block 2 ran its one committing pass, no refinement
+
+
+def test_scaffolds_are_checked_before_they_are_queued(engine):
+    eng, _ = engine
+    prompt = (5, 6, 7)
+    bad = [(Scaffold((-1,) * 200), "more than max_tokens"), (Scaffold((5000,)), "outside"),
+           (Scaffold((), (3,), ((5,),)), "does not define"), (Scaffold((), (1,), ((),)), "empty"),
+           (Scaffold((), (), ((5,), (6,), (7,))), "at most 2")]
+    for sc, msg in bad:
+        with pytest.raises(BadRequest, match=msg):
+            eng.submit(Request(prompt, 96, SamplerConfig(), scaffold=sc), lambda ev: None)
+    cfg = eng.cfg
+    plain = Engine(None, cfg, max_prompt=32, max_tokens=96)
+    with pytest.raises(BadRequest, match="takes no scaffolds"):
+        plain.submit(Request(prompt, 96, SamplerConfig(), scaffold=Scaffold((5,))), lambda ev: None)
+
