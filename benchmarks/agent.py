@@ -9,7 +9,9 @@ the `openai` client, every call executed and its result sent back, until the mod
 Starts `make_app` over an `Engine` with uvicorn in this process (its compile time is printed, not counted),
 runs every question non-streamed and streamed, and prints per mode: the share answered correctly, steps
 (chat completions) per task, tool calls per task, completion tokens per step, forward passes per step (from
-/metrics), and wall time per task; with `--untrained` also the same loop on the model before fine-tuning (with
+/metrics), wall time per task and the malformed calls (from /metrics: calls the model broke, those rewritten into
+the canvas and any still malformed), with calls left as the model wrote them and rewritten into the canvas
+(`--tool-calls`); with `--untrained` also the same loop on the model before fine-tuning (with
 `--model` and no `--train-steps`: the shipped clover-tiny).
 `--save DIR` keeps the fine-tuned checkpoint. A comparison with causal generation in transformers is not
 offered: no causal model of this vocabulary calls these tools. Prints figures; asserts nothing.
@@ -56,29 +58,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(without --train-steps: the shipped model)")
     p.add_argument("--save", default=None, help="write the fine-tuned checkpoint here")
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
+    p.add_argument("--tool-calls", choices=("scaffold", "free", "both"), default="both",
+                   help="how the server writes a call the model did not write whole and valid (`clover serve "
+                        "--tool-calls`); both: each in turn (default)")
     p.add_argument("--conversation", type=int, default=0, metavar="STEPS", help="the long conversation (see above)")
     p.add_argument("--observation", type=int, default=1024, metavar="TOKENS", help="its observations' length")
     p.add_argument("--reply", type=int, default=32, metavar="TOKENS", help="its replies' length")
     return p.parse_args(argv)
 
 
-def _passes(port: int) -> float:
+def _counters(port: int) -> tuple[float, dict[tuple[str, str], float]]:
+    """(row passes so far, tool calls so far by (written, result)) from /metrics."""
     import httpx
 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     m = re.search(r"^clover_row_passes_total (\S+)$", text, re.M)
-    return float(m.group(1)) if m else float("nan")
+    calls = {(w, r): float(n) for w, r, n in
+             re.findall(r'^clover_tool_calls_total\{written="(\w+)",result="(\w+)"\} (\S+)$', text, re.M)}
+    return (float(m.group(1)) if m else float("nan")), calls
 
 
 @contextmanager
-def serve(weights: Any, cfg: Any, tok: Any) -> Iterator[tuple[Any, int]]:
-    """An engine behind `make_app` on a free loopback port: (openai client, port); drained on exit."""
+def serve(weights: Any, cfg: Any, tok: Any, scaffold: bool = True) -> Iterator[tuple[Any, int]]:
+    """An engine behind `make_app` on a free loopback port: (openai client, port); drained on exit. `scaffold`:
+    tool calls rewritten into the canvas (`clover serve --tool-calls scaffold`), else left as written."""
     import openai
 
+    from clover_jax.commands.serve import SCAFFOLD_CLASSES
     from clover_jax.serving.background import serve_in_background
     from clover_jax.serving.engine import Engine
 
-    eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1, 2, 4), queue_size=64)
+    eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1, 2, 4), queue_size=64,
+                 scaffold_classes=SCAFFOLD_CLASSES if scaffold else 0)
     t0 = time.perf_counter()
     eng.warm_up(lambda line: None)
     print(f"compiled the serving programs in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -94,10 +105,16 @@ def run_loop(label: str, client: Any, port: int, model: str, held: list, stream:
     from examples.toy_agent import run_agent
 
     extra = {"diffusion": {"threshold": args.threshold}} if args.threshold > 0 else {}
-    before, t0 = _passes(port), time.perf_counter()
+    (before, calls0), t0 = _counters(port), time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
         eps = list(pool.map(lambda t: run_agent(client, model, t, stream=stream, extra_body=extra), held))
-    wall, passes = time.perf_counter() - t0, _passes(port) - before
+    wall = time.perf_counter() - t0
+    after, calls1 = _counters(port)
+    passes = after - before
+    made = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in calls1}
+    malformed = made.get(("model", "malformed"), 0)
+    rewritten = sum(v for (w, _), v in made.items() if w == "scaffold")
+    still = made.get(("scaffold", "malformed"), 0)
     steps = [e.steps for e in eps]
     tokens = [n for e in eps for n in e.tokens]
     print(f"{label:28s} correct {sum(e.correct for e in eps)}/{len(eps)} "
@@ -105,7 +122,9 @@ def run_loop(label: str, client: Any, port: int, model: str, held: list, stream:
           f"steps/task {statistics.mean(steps):.2f}  "
           f"calls/task {statistics.mean(e.calls for e in eps):.2f}  tokens/step {statistics.mean(tokens):.1f}  "
           f"passes/step {passes / sum(steps):.1f}  wall/task {statistics.mean(e.wall_s for e in eps):.1f} s "
-          f"({wall:.0f} s for all, {args.clients} at a time)", flush=True)
+          f"({wall:.0f} s for all, {args.clients} at a time)  calls the model broke {malformed:.0f}, rewritten into "
+          f"the canvas {rewritten:.0f}, malformed after {still:.0f}; malformed calls returned "
+          f"{still if rewritten else malformed:.0f}", flush=True)
 
 
 WORDS = ("the", "king", "my", "lord", "shall", "speak", "of", "love", "and", "death", "upon", "this", "night", "where",
@@ -204,11 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         runs.insert(0, ("untrained", cfg, base, tok) if args.train_steps else
                     ("shipped clover-tiny", *clover_jax.load_model(str(shipped.MODEL_DIR)),
                      load_tokenizer(str(shipped.MODEL_DIR))))
+    modes = ("free", "scaffold") if args.tool_calls == "both" else (args.tool_calls,)
     for label, c, w, t in runs:
-        with serve(w, c, t) as (client, port):
-            for stream in (False, True):
-                run_loop(f"{label}, {'streamed' if stream else 'not streamed'}", client, port, c.name, held,
-                         stream, args)
+        for mode in modes:
+            with serve(w, c, t, scaffold=mode == "scaffold") as (client, port):
+                for stream in (False, True):
+                    run_loop(f"{label}, {mode}, {'streamed' if stream else 'not streamed'}", client, port, c.name,
+                             held, stream, args)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ still get what `generate` gives them alone."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -99,3 +100,32 @@ def test_scaffolds_are_checked_before_they_are_queued(engine):
     with pytest.raises(BadRequest, match="takes no scaffolds"):
         plain.submit(Request(prompt, 96, SamplerConfig(), scaffold=Scaffold((5,))), lambda ev: None)
 
+
+def test_the_tool_model_writes_a_required_call_it_would_not_have_made():
+    """Through `clover serve`'s HTTP layer on the shipped tool model: asked about a capital but made to call
+    `square` (`tool_choice` names it), the answer is a valid `square` call, its integer written by the model into
+    the canvas (its draft names another tool, so the frame is rewritten with `square`'s keys)."""
+    from starlette.testclient import TestClient
+
+    from clover_jax.serving.api import make_app
+    from examples.toy_agent.task import TOOLS
+
+    model = shipped.TOOLS_MODEL_DIR
+    cfg, weights = load_model(str(model))
+    tok = load_tokenizer(str(model))
+    eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1,), prefill_rows=1, scaffold_classes=8)
+    eng.start()
+    try:
+        http = TestClient(make_app(eng, tok, cfg.name))
+        body = {"messages": [{"role": "user", "content": "What is the capital of Peru?"}], "tools": list(TOOLS),
+                "max_tokens": 96, "temperature": 0}
+        free = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert free["tool_calls"][0]["function"]["name"] == "capital"  # what the model calls by itself
+        forced = http.post("/v1/chat/completions", json={
+            **body, "tool_choice": {"type": "function", "function": {"name": "square"}}}).json()["choices"][0]
+        (call,) = forced["message"]["tool_calls"]
+        assert forced["finish_reason"] == "tool_calls" and call["function"]["name"] == "square"
+        assert isinstance(json.loads(call["function"]["arguments"])["x"], int)
+        assert 'clover_tool_calls_total{written="scaffold",result="valid"} 1' in http.get("/metrics").text
+    finally:
+        eng.drain(timeout=120)

@@ -21,6 +21,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -97,6 +98,7 @@ class FakeEngine:
     queue_size: int = 8
     prefill_rows: int = 4
     prefix_cache_gb: float = 0.0
+    scaffold_classes: int = 0  # (taken, not used: it answers a scaffolded request like any other)
     cache: str = "prefix"
     delay: float = 0.0
     dispatch: Any = None
@@ -112,6 +114,7 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self.batch_sizes = tuple(self.batch_sizes)
+        self.admission = SimpleNamespace(prefix_cache=False, prefix_cache_note=None, row_bytes=0)
         self._cond = threading.Condition()
         self._queue: list[_Row] = []
         self._rows: dict[int, _Row] = {}

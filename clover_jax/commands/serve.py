@@ -50,6 +50,9 @@ KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space: what a Bea
 REQUEST_TIMEOUT_S = 600.0
 
 
+# token classes a request's scaffold may define (a tool call's value types): the engine holds them per row
+SCAFFOLD_CLASSES = 8
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to `sub`; it dispatches to `run`."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -72,6 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-gb", type=float, default=1.0, metavar="GB",
                    help="device memory for the caches of earlier prompts, reused exactly when a new prompt begins "
                         "with one, least recently used first out (default 1; 0: off)")
+    p.add_argument("--tool-calls", choices=("scaffold", "free"), default="scaffold",
+                   help="a tool call the model does not write whole and valid (or that tool_choice requires): "
+                        "scaffold (default) writes its frame and keys into the canvas and the model fills in the "
+                        "values; free leaves the model's text as it is")
     p.add_argument("--queue-size", type=int, default=256,
                    help="requests that may wait for a batch row; more get HTTP 429 (default 256)")
     p.add_argument("--cache", choices=CACHE_MODES, default="auto",
@@ -269,7 +276,8 @@ def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"batch_sizes": tuple(sorted(set(args.batch_sizes))), "cache": args.cache,
                               "queue_size": args.queue_size, "dispatch": args.dispatch, "mesh": mesh,
                               "self_speculative": args.self_speculative, "prefill_rows": args.prefill_rows,
-                              "prefix_cache_gb": args.prefix_cache_gb}
+                              "prefix_cache_gb": args.prefix_cache_gb,
+                              "scaffold_classes": SCAFFOLD_CLASSES if args.tool_calls == "scaffold" else 0}
     if args.block_length is not None:
         kwargs["block_length"] = args.block_length
     if args.max_prompt is not None:
@@ -304,10 +312,10 @@ def run(args: argparse.Namespace) -> int:
             _say("request defaults from the checkpoint's generation_config.json: "
                  + ", ".join(f"{k} {v}" for k, v in defaults.items()))
         engine = Engine(weights, cfg, **engine_kwargs(args, mesh))
-        if getattr(engine, "prefix_cache_note", None):
-            _say(f"the prefix cache is off: {engine.prefix_cache_note}", "warning")
-        elif getattr(engine, "prefix_cache", False):
-            _say(f"prefix cache: {args.prefix_cache_gb:g} GB, {engine.row_bytes / 1e6:.1f} MB a saved prompt")
+        if engine.admission.prefix_cache_note:
+            _say(f"the prefix cache is off: {engine.admission.prefix_cache_note}", "warning")
+        elif engine.admission.prefix_cache:
+            _say(f"prefix cache: {args.prefix_cache_gb:g} GB, {engine.admission.row_bytes / 1e6:.1f} MB a saved prompt")
         check_defaults(defaults, engine, os.path.join(model, "generation_config.json"))
         engine.warm_up(_compiled)
         engine.start()

@@ -66,6 +66,7 @@ from clover_jax.serving.http_request import (
 from clover_jax.serving.metrics import CONTENT_TYPE, Metrics
 from clover_jax.serving.requests import Event, Request, ServingError, cache_choices
 from clover_jax.serving.responses import Meta, collect, failure, stream_response
+from clover_jax.serving.scaffold import CallForms, form_of
 from clover_jax.serving.schema import openapi_document
 from clover_jax.tokenizer import Tokenizer
 from clover_jax.version import __version__
@@ -100,6 +101,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     limits: Limits = field(default_factory=Limits)
+    forms: CallForms | None = None  # with an engine that takes scaffolds: tool calls rewritten into the canvas
 
 
 def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
@@ -111,8 +113,11 @@ def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
     sampler settings by name, and max_tokens). `limits`: see `Limits`. `api_keys`: the keys a request must present as
     `Authorization: Bearer <key>` (every route but /health); none: no key needed."""
     limits = limits or Limits()
+    classes = getattr(engine, "scaffold_classes", 0)
+    forms = CallForms(tokenizer, engine.cfg.vocab_size, engine.cfg.eos_token_id, classes, form_of(tokenizer),
+                      engine.block_length) if classes and engine.cfg.eos_token_id is not None else None
     state = ServerState(engine, tokenizer, model_name, log or logging.getLogger("clover_jax.serving").error,
-                        dict(defaults or {}), limits=limits)
+                        dict(defaults or {}), limits=limits, forms=forms)
     keys = KeyRing(api_keys)
     app = FastAPI(title="clover-jax", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.clover = state
@@ -241,7 +246,7 @@ async def _start(request: HTTPRequest, st: ServerState, chat: bool, started: flo
         prompt, thinking, keep = completion_prompt(body, st.tokenizer), False, 0
     job = parse_job(body, st.engine, prompt, chat, st.defaults, lim.max_n, tools, thinking, keep)
     deadline = None if lim.request_timeout_s is None else started + lim.request_timeout_s
-    run = Run(st.engine, st.tokenizer, job, asyncio.get_running_loop(), started, deadline, st.metrics)
+    run = Run(st.engine, st.tokenizer, job, asyncio.get_running_loop(), started, deadline, st.metrics, st.forms)
     run.submit()
     return run
 

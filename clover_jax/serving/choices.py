@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,6 +32,7 @@ from clover_jax.serving.http_request import Job
 from clover_jax.serving.metrics import Metrics
 from clover_jax.serving.reasoning import split as split_reasoning
 from clover_jax.serving.requests import Event
+from clover_jax.serving.scaffold import CallForms, CallLayout, drafted_tool, opening
 from clover_jax.serving.tool_parse import OPEN, ParsedCall, call_end, parse_calls, pending_open
 from clover_jax.serving.tools import ToolPlan
 from clover_jax.tokenizer import Tokenizer
@@ -71,6 +73,9 @@ class Choice:
     calls: tuple[tuple[str, ParsedCall], ...] = ()  # (id, call) of the tool calls it ended with
     thinking: bool | None = None  # a chat choice (reasoning apart); True: its prompt opened `<think>`
     reasoning: str = ""  # the reasoning released so far (`text`: the answer)
+    gen: int = 0  # which of its engine requests runs now (a rewrite is the next); older ones' events are dropped
+    layout: CallLayout | None = None  # while its call is rewritten into a scaffold: the call's layout
+    passes_before: int = 0  # passes of its earlier engine requests
 
     @property
     def done(self) -> bool:
@@ -131,6 +136,21 @@ class Choice:
                 return self._release(reasoning, parsed.content)
         return self._release(reasoning, answer)
 
+    def finish_call(self, decode: Callable[[list[int]], str], forms: CallForms) -> Released:
+        """End a rewritten call (its engine request finished): the call read from its layout (`CallForms.read`),
+        with the answer's text before it as content; a malformed one leaves its text as content."""
+        layout = self.layout
+        assert layout is not None
+        call = forms.read(layout, self.tokens)
+        self.used = min(layout.end, len(self.tokens))
+        reasoning, answer = self._split(decode(self.tokens[:self.used]), final=True)
+        if call is None:
+            self.finish_reason = "stop"
+            return self._release(reasoning, answer)
+        self.calls = ((f"call_{uuid.uuid4().hex[:24]}", call),)
+        self.finish_reason = "tool_calls"
+        return self._release(reasoning, answer.split(OPEN, 1)[0].rstrip())
+
     def _release(self, reasoning: str, answer: str) -> Released:
         out = Released(answer[len(self.text):], reasoning[len(self.reasoning):])
         self.text += out.content
@@ -146,9 +166,11 @@ class Run:
     `metrics` (if given) counts every generation submitted and every final engine event."""
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, job: Job, loop: asyncio.AbstractEventLoop,
-                 started: float, deadline: float | None = None, metrics: Metrics | None = None) -> None:
+                 started: float, deadline: float | None = None, metrics: Metrics | None = None,
+                 forms: CallForms | None = None) -> None:
         self.engine, self.tokenizer, self.job, self.loop = engine, tokenizer, job, loop
-        self.queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
+        self.forms = forms  # with tools: rewrite a call the model did not write whole into the canvas
+        self.queue: asyncio.Queue[tuple[int, int, Event] | None] = asyncio.Queue()
         self.choices = [Choice(i, thinking=job.reasoning) for i in range(len(job.requests))]
         self.started = started
         self.deadline = deadline
@@ -156,7 +178,7 @@ class Run:
         self.first_block: float | None = None
         self.timed_out = False
 
-    def _on_event(self, index: int) -> Callable[[Event], None]:
+    def _on_event(self, index: int, gen: int = 0) -> Callable[[Event], None]:
         loop, queue, metrics = self.loop, self.queue, self.metrics
 
         def on_event(event: Event) -> None:  # runs on the engine thread
@@ -164,7 +186,7 @@ class Run:
             with contextlib.suppress(Exception):
                 if metrics is not None and event.finish_reason is not None:
                     metrics.count_ended(event.finish_reason)
-                loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+                loop.call_soon_threadsafe(queue.put_nowait, (index, gen, event))
 
         return on_event
 
@@ -172,7 +194,7 @@ class Run:
         """Submit every choice; if one is refused, cancel those already in and re-raise."""
         try:
             for choice, req in zip(self.choices, self.job.requests, strict=True):
-                choice.rid = self.engine.submit(req, self._on_event(choice.index))
+                choice.rid = self.engine.submit(req, self._on_event(choice.index, choice.gen))
                 if self.metrics is not None:
                     self.metrics.count_submitted()
         except BaseException:
@@ -193,7 +215,7 @@ class Run:
         """Whether every choice has finished."""
         return all(c.done for c in self.choices)
 
-    async def _next(self) -> tuple[int, Event] | None:
+    async def _next(self) -> tuple[int, int, Event] | None:
         """The next event; TimeoutError once the deadline passed."""
         if self.deadline is None:
             return await self.queue.get()
@@ -229,20 +251,83 @@ class Run:
                 return
             if item is None:
                 continue
-            index, event = item
+            index, gen, event = item
             choice = self.choices[index]
-            if choice.done:  # e.g. the "cancelled" event after a stop string matched
+            if choice.done or gen != choice.gen:  # e.g. the "cancelled" event after a stop string matched
                 continue
-            choice.passes, choice.queued_s, choice.cached = event.passes, event.queued_s, event.cached_tokens
+            choice.passes = choice.passes_before + event.passes
+            choice.queued_s, choice.cached = event.queued_s, event.cached_tokens
             if self.first_block is None and (event.tokens or event.finish_reason is not None):
                 self.first_block = time.monotonic()
             if event.finish_reason == "error":
                 choice.finish_reason = "error"
                 raise EngineFailure(f"the engine failed while generating choice {index} (request {choice.rid})")
+            if choice.layout is not None:  # a call being rewritten: nothing to release until it ends
+                choice.tokens.extend(event.tokens)
+                if event.finish_reason is not None:
+                    delta = choice.finish_call(self.tokenizer.decode, self.forms)
+                    if self.metrics is not None:
+                        self.metrics.count_tool_call("scaffold", bool(choice.calls))
+                    yield choice, delta
+                continue
+            before = dataclasses.replace(choice, tokens=list(choice.tokens))
             delta = choice.apply(event, self.tokenizer.decode, self.job.stops, self.job.tools)
             if choice.stopped and event.finish_reason is None and choice.rid is not None:
                 self.engine.cancel(choice.rid)  # free the row at the next block boundary
+            if choice.done and self._rewrite(choice, before, event):
+                continue
             yield choice, delta
+
+    def _rewrite(self, choice: Choice, before: Choice, event: Event) -> bool:
+        """After a choice's draft ended: when its tools ask for a call and the draft holds none that is whole and
+        valid (it opened a call that does not parse, or `tool_choice` requires one), write the call's frame into the
+        canvas (`scaffold.CallForms.frame`, its values sized from the draft) and submit that as the choice's next
+        engine request; `before`: the choice as it was before the draft's last event, which it is set back to
+        (nothing of the draft's end was released). False (the draft stands) when no call is needed or the rewrite
+        cannot run (no scaffold, a layout past max_tokens, the engine refusing it)."""
+        tools, forms = self.job.tools, self.forms
+        if tools is None or choice.finish_reason not in ("stop", "length", "tool_calls"):
+            return False
+        decode = self.tokenizer.decode
+        draft = list(choice.tokens if choice.used is None else choice.tokens[:choice.used])
+        k = opening(draft, decode)
+        forced = tools.choice in ("required", "function")
+        if choice.calls or (k is None and not forced):
+            if k is not None and self.metrics is not None:
+                self.metrics.count_tool_call("model", bool(choice.calls))
+            return False
+        if k is not None and self.metrics is not None:
+            self.metrics.count_tool_call("model", False)
+        if forms is None:
+            return False
+        allowed = list(tools.allowed().values())
+        text = decode(draft[:k] if k else [])
+        call_text = decode(draft)[len(text) - len(OPEN):] if k else ""
+        spec = drafted_tool(call_text, allowed) or allowed[0]
+        req = self.job.requests[choice.index]
+        context = decode(list(req.prompt[-24:]))
+        lead = "</think>\n\n" if choice.thinking else (" " if context.endswith(":") else "")
+        layout = forms.frame(spec, forms.value_sizes(call_text, spec), draft[:k] if k else (), lead, context + text)
+        if layout is None or layout.end >= req.max_tokens:
+            return False
+        passes = choice.passes
+        for f in dataclasses.fields(Choice):
+            setattr(choice, f.name, getattr(before, f.name))
+        choice.gen += 1
+        choice.tokens, choice.seen = [], 0  # the rewrite's events bring its whole response, the fixed tokens too
+        choice.layout, choice.passes_before, choice.passes = layout, passes, passes
+        try:
+            choice.rid = self.engine.submit(dataclasses.replace(req, scaffold=layout.scaffold),
+                                            self._on_event(choice.index, choice.gen))
+        except Exception:  # (the queue is full or the server drains: the draft's end stands)
+            choice.layout = None
+            choice.apply(event, decode, self.job.stops, tools)
+            return False
+        if event.finish_reason is None and before.rid is not None:
+            self.engine.cancel(before.rid)
+        if self.metrics is not None:
+            self.metrics.count_submitted()
+        return True
 
     def usage(self) -> dict[str, Any]:
         """OpenAI usage: the prompt once, the completion tokens of every choice, and (as OpenAI's

@@ -78,6 +78,7 @@ class Metrics:
         self._submitted = 0
         self._ended: dict[str, int] = {}
         self._timed_out = 0
+        self._tool_calls: dict[tuple[str, str], int] = {}
         self.latency = Histogram(LATENCY_BUCKETS)
         self.first_block = Histogram(FIRST_BLOCK_BUCKETS)
 
@@ -101,6 +102,13 @@ class Metrics:
         """One HTTP request that passed its deadline (`--request-timeout`)."""
         with self._lock:
             self._timed_out += 1
+
+    def count_tool_call(self, written: str, valid: bool) -> None:
+        """One answer that opened a tool call (or had to hold one): `written` "model" (as the model wrote it) or
+        "scaffold" (its frame written into the canvas, `serving.scaffold`); `valid`: it parsed and fit the schema."""
+        with self._lock:
+            key = (written, "valid" if valid else "malformed")
+            self._tool_calls[key] = self._tool_calls.get(key, 0) + 1
 
     def generations(self) -> tuple[int, int]:
         """(submitted, ended): every generation submitted ends in exactly one final engine event, so once
@@ -136,6 +144,9 @@ class Metrics:
                              [("", {}, self._submitted - ended)])
             lines += _family("clover_requests_timed_out_total", "counter",
                              "HTTP requests that passed the server's --request-timeout", [("", {}, self._timed_out)])
+            lines += _family("clover_tool_calls_total", "counter",
+                             "Answers that opened or had to hold a tool call, by who wrote it and whether it was valid",
+                             [("", {"written": w, "result": r}, n) for (w, r), n in sorted(self._tool_calls.items())])
         if stats is not None:
             lines += engine_lines(stats)
         return "\n".join(lines) + "\n"
