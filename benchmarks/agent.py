@@ -31,6 +31,7 @@ and a plot of step time against conversation length.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(without --train-steps: the shipped model)")
     p.add_argument("--save", default=None, help="write the fine-tuned checkpoint here")
     p.add_argument("--seed", type=int, default=0, help="seed of the task split")
+    p.add_argument("--call-turns", action="store_true",
+                   help="instead of whole loops: every call turn of the held-out questions alone (the conversation "
+                        "before it given), the call compared with the expected one, tool_choice auto and required")
     p.add_argument("--tool-calls", choices=("scaffold", "free", "both"), default="both",
                    help="how the server writes a call the model did not write whole and valid (`clover serve "
                         "--tool-calls`); both: each in turn (default)")
@@ -196,6 +200,45 @@ def conversation(args: argparse.Namespace) -> None:
         print(f"{'':>14}  .{'.' * round(40 * b / top):<40} {b:.2f} s")
 
 
+def call_turns(label: str, client: Any, port: int, model: str, held: list, choice: str) -> None:
+    """`--call-turns`: each held-out call turn once, greedy; exact calls, malformed ones (/metrics) and passes."""
+    from examples.toy_agent.task import TOOLS, turns
+
+    want_calls, exact, answered, forced = 0, 0, 0, 0
+    (before, calls0) = _counters(port)
+
+    def ask(turn: Any) -> list:
+        messages = [m.as_template() for m in turn.messages]
+        for m in messages:
+            for c in m.get("tool_calls", []):
+                c["function"]["arguments"] = json.dumps(c["function"]["arguments"])
+        out = client.chat.completions.create(model=model, messages=messages, tools=list(TOOLS), max_tokens=96,
+                                             temperature=0.0, tool_choice=choice)
+        return out.choices[0].message.tool_calls or []
+
+    answer_turns = [t for task in held for t in turns(task) if not t.is_call]
+    for task in held:
+        for turn in turns(task):
+            if not turn.is_call:
+                continue
+            want_calls += 1
+            calls = ask(turn)
+            answered += bool(calls)
+            want = turn.response[len("<tool_call>"):-len("</tool_call>")]
+            exact += bool(calls) and {"name": calls[0].function.name,
+                                      "arguments": json.loads(calls[0].function.arguments)} == json.loads(want)
+    after, calls1 = _counters(port)
+    if choice == "required":  # the turns that want a text answer: a call is what the request demands
+        forced = sum(bool(ask(t)) for t in answer_turns)
+    made = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in calls1}
+    rewritten = sum(v for (w, _), v in made.items() if w == "scaffold")
+    print(f"{label:34s} call turns {want_calls}: exact {exact}, answered with a call {answered}, calls the model "
+          f"broke {made.get(('model', 'malformed'), 0):.0f}, rewritten {rewritten:.0f} "
+          f"(malformed after {made.get(('scaffold', 'malformed'), 0):.0f}), passes per turn "
+          f"{(after - before) / want_calls:.1f}" + (f"; answer turns {len(answer_turns)}, answered with a call "
+                                                     f"{forced}" if choice == "required" else ""), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.conversation:
@@ -227,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     for label, c, w, t in runs:
         for mode in modes:
             with serve(w, c, t, scaffold=mode == "scaffold") as (client, port):
+                if args.call_turns:
+                    for choice in ("auto", "required"):
+                        call_turns(f"{label}, {mode}, tool_choice {choice}", client, port, c.name, held, choice)
+                    continue
                 for stream in (False, True):
                     run_loop(f"{label}, {mode}, {'streamed' if stream else 'not streamed'}", client, port, c.name,
                              held, stream, args)

@@ -20,6 +20,7 @@ import pytest
 
 import clover_jax
 from clover_jax import shipped
+from clover_jax.commands.serve import SCAFFOLD_CLASSES
 from clover_jax.serving.tool_parse import parse_calls
 from clover_jax.tokenizer import load_tokenizer
 
@@ -29,7 +30,8 @@ from examples import toy_agent
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-pytestmark = pytest.mark.slow  # serving programs and a short fine-tuning compile
+# serving programs and a short fine-tuning compile; one worker runs the module, so each server compiles once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_e2e")]
 
 N_TRAIN, N_HELD = 400, 20  # scripts/train_tool_model.py's split
 
@@ -41,7 +43,10 @@ def _serve(model_dir: str):
 
     cfg, weights = clover_jax.load_model(model_dir)
     tok = load_tokenizer(model_dir)
-    eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1, 4), queue_size=64)
+    # calls written as `clover serve` writes them by default (rewritten into the canvas when broken); one prompt
+    # prefilled at a time (batched prefill is tested in test_serve.py, and each admission size compiles per width)
+    eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1, 4), queue_size=64, prefill_rows=1,
+                 scaffold_classes=SCAFFOLD_CLASSES)
     eng.warm_up(lambda line: None)
     eng.start()
     with serve_in_background(eng, tok, cfg.name) as srv:
