@@ -18,14 +18,16 @@ offered: no causal model of this vocabulary calls these tools. Prints figures; a
 
     python benchmarks/agent.py --conversation 8 --observation 1024    # a long conversation, prefix cache on / off
 
-`--conversation STEPS` instead runs one long agent-shaped conversation through the server twice, with the
-prefix cache (`--prefix-cache-gb` 1) and without: a task, then at each step the whole conversation is sent again
-(chat completions, greedy, `--reply` tokens), the reply appended and an observation of about `--observation`
-tokens (a page of text, sent as a user message, as a tool's result would be) after it. The shipped clover-tiny
+`--conversation STEPS` instead runs one long agent-shaped conversation through the server, decoded four ways
+(`RUNS`): block diffusion one token a pass with the prefix cache (`--prefix-cache-gb` 1) and without, at threshold
+0.9 with it, and self-speculatively (the causal model's greedy text, drafted by the diffusion; the server's
+`--self-speculative` lane); a task, then at each step the whole conversation is sent again (chat completions,
+greedy, `--reply` tokens), the reply appended and an observation of about `--observation` tokens (a page of text,
+sent as a user message, as a tool's result would be) after it. The shipped clover-tiny
 (a causal-prefix model, whose prompts the prefix cache can cut anywhere) runs it with its `max_seq_len` raised to
 hold the conversation (the figures are about time, not text). Prints per step the prompt's tokens, those the
-prefix cache gave (usage.prompt_tokens_details.cached_tokens), the step's wall time with and without the cache,
-and a plot of step time against conversation length.
+prefix cache gave (usage.prompt_tokens_details.cached_tokens), each run's wall time and forward passes per step
+and per task, and a plot of step time against conversation length with and without the cache.
 """
 
 from __future__ import annotations
@@ -147,8 +149,14 @@ def _page(tok: Any, n: int, seed: int) -> str:
     return " ".join(words)
 
 
+# the conversation's runs: (label, prefix cache on, the request's diffusion settings)
+RUNS = (("diffusion, cache on", True, {}), ("diffusion, cache off", False, {}),
+        ("threshold 0.9, cache on", True, {"threshold": 0.9}),
+        ("self-speculative", True, {"self_speculative": True}))
+
+
 def conversation(args: argparse.Namespace) -> None:
-    """`--conversation`: one long conversation, prefix cache on and off (see the module docstring)."""
+    """`--conversation`: one long conversation, decoded several ways (see the module docstring)."""
     import openai
 
     import clover_jax
@@ -163,39 +171,50 @@ def conversation(args: argparse.Namespace) -> None:
     pages = [_page(tok, args.observation, k) for k in range(args.conversation)]
     longest = 64 + sum(len(tok.encode(p)) + args.reply + 16 for p in pages)
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, -(-(longest + args.reply + 64) // 1024) * 1024))
-    walls: dict[bool, list[float]] = {}
+    walls: dict[str, list[float]] = {}
+    passes: dict[str, list[int]] = {}
     table: list[tuple[int, int]] = []
     for on in (True, False):
         eng = Engine(weights, cfg, max_prompt=longest, max_tokens=args.reply, batch_sizes=(1,), prefill_rows=1,
-                     prefix_cache_gb=1.0 if on else 0.0)
+                     prefix_cache_gb=1.0 if on else 0.0, self_speculative=on and cfg.causal_prefix)
         t0 = time.perf_counter()
         eng.warm_up(lambda line: None)
         print(f"prefix cache {'on' if on else 'off'}: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
         eng.start()
-        messages = [{"role": "system", "content": "You read pages and act."},
-                    {"role": "user", "content": "Task: find the letter sealed with wax."}]
-        walls[on] = []
         with serve_in_background(eng, tok, cfg.name) as srv:
             client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600)
-            for k, page in enumerate(pages):
-                t0 = time.perf_counter()
-                out = client.chat.completions.create(model=cfg.name, messages=messages, max_tokens=args.reply,
-                                                     temperature=0)
-                walls[on].append(time.perf_counter() - t0)
-                details = out.usage.prompt_tokens_details
-                if on:
-                    table.append((out.usage.prompt_tokens, details.cached_tokens if details else 0))
-                messages += [{"role": "assistant", "content": out.choices[0].message.content or ""},
-                             {"role": "user", "content": f"Observation {k + 1}: {page}"}]
+            for label, cache_on, diffusion in RUNS:
+                if cache_on != on or (diffusion.get("self_speculative") and not cfg.causal_prefix):
+                    continue
+                # each run its own task line, so no run reuses another's saved conversation
+                messages = [{"role": "system", "content": "You read pages and act."},
+                            {"role": "user", "content": f"Task ({label}): find the letter sealed with wax."}]
+                walls[label], passes[label] = [], []
+                for k, page in enumerate(pages):
+                    before = _counters(srv.port)[0]
+                    t0 = time.perf_counter()
+                    out = client.chat.completions.create(model=cfg.name, messages=messages, max_tokens=args.reply,
+                                                         temperature=0, extra_body={"diffusion": diffusion})
+                    walls[label].append(time.perf_counter() - t0)
+                    passes[label].append(round(_counters(srv.port)[0] - before))
+                    details = out.usage.prompt_tokens_details
+                    if label == RUNS[0][0]:
+                        table.append((out.usage.prompt_tokens, details.cached_tokens if details else 0))
+                    messages += [{"role": "assistant", "content": out.choices[0].message.content or ""},
+                                 {"role": "user", "content": f"Observation {k + 1}: {page}"}]
         eng.drain()
+    labels = [label for label, _, _ in RUNS if label in walls]
     print(f"\n{args.conversation} steps, observations of about {args.observation} tokens, replies of {args.reply}")
-    print("| step | prompt tokens | reused (cache on) | prefilled (cache on) | wall, cache on | wall, cache off |")
-    print("|---|---|---|---|---|---|")
-    for k, ((n, cached), a, b) in enumerate(zip(table, walls[True], walls[False], strict=True), 1):
-        print(f"| {k} | {n:,} | {cached:,} | {n - cached:,} | {a:.2f} s | {b:.2f} s |")
-    top = max(walls[False] + walls[True])
+    print("| step | prompt tokens | reused (cache on) | " + " | ".join(f"wall, {lb}" for lb in labels) + " |")
+    print("|---|---|---|" + "---|" * len(labels))
+    for k, (n, cached) in enumerate(table):
+        print(f"| {k + 1} | {n:,} | {cached:,} | " + " | ".join(f"{walls[lb][k]:.2f} s ({passes[lb][k]} passes)"
+                                                              for lb in labels) + " |")
+    print("| task | | | " + " | ".join(f"{sum(walls[lb]):.1f} s ({sum(passes[lb])} passes)" for lb in labels) + " |")
+    on, off = labels[0], labels[1]
+    top = max(walls[off] + walls[on])
     print("\nstep time against conversation length (# cache on, . cache off):")
-    for (n, _), a, b in zip(table, walls[True], walls[False], strict=True):
+    for (n, _), a, b in zip(table, walls[on], walls[off], strict=True):
         print(f"{n:>7,} tokens  #{'#' * round(40 * a / top):<40} {a:.2f} s")
         print(f"{'':>14}  .{'.' * round(40 * b / top):<40} {b:.2f} s")
 
