@@ -18,12 +18,13 @@ offered: no causal model of this vocabulary calls these tools. Prints figures; a
 
     python benchmarks/agent.py --conversation 8 --observation 1024    # a long conversation, prefix cache on / off
 
-`--conversation STEPS` instead runs one long agent-shaped conversation through the server, decoded four ways
+`--conversation STEPS` instead runs one long agent-shaped conversation through the server, decoded five ways
 (`RUNS`): block diffusion one token a pass with the prefix cache (`--prefix-cache-gb` 1) and without, at threshold
-0.9 with it, and self-speculatively (the causal model's greedy text, drafted by the diffusion; the server's
-`--self-speculative` lane); a task, then at each step the whole conversation is sent again (chat completions,
-greedy, `--reply` tokens), the reply appended and an observation of about `--observation` tokens (a page of text,
-sent as a user message, as a tool's result would be) after it. The shipped clover-tiny
+0.9 and four tokens a pass with it, and self-speculatively with one-pass drafts (the causal model's greedy text,
+drafted by the diffusion; the server's `--self-speculative` lane); a task, then at each step the whole conversation
+is sent again (chat completions, greedy, `--reply` tokens), the reply appended and an observation of about
+`--observation` tokens (a page of text, sent as a user message, as a tool's result would be) after it. The shipped
+clover-tiny
 (a causal-prefix model, whose prompts the prefix cache can cut anywhere) runs it with its `max_seq_len` raised to
 hold the conversation (the figures are about time, not text). Prints per step the prompt's tokens, those the
 prefix cache gave (usage.prompt_tokens_details.cached_tokens), each run's wall time and forward passes per step
@@ -152,7 +153,8 @@ def _page(tok: Any, n: int, seed: int) -> str:
 # the conversation's runs: (label, prefix cache on, the request's diffusion settings)
 RUNS = (("diffusion, cache on", True, {}), ("diffusion, cache off", False, {}),
         ("threshold 0.9, cache on", True, {"threshold": 0.9}),
-        ("self-speculative", True, {"self_speculative": True}))
+        ("4 tokens a pass, cache on", True, {"steps_per_block": 8}),
+        ("self-speculative", True, {"self_speculative": True, "steps_per_block": 1}))
 
 
 def conversation(args: argparse.Namespace) -> None:

@@ -203,3 +203,67 @@ def test_free_mode_leaves_a_broken_call_as_text():
     out, rest = _post(engine)
     assert out["message"]["content"] == reply.strip() or out["message"]["content"] == reply
     assert len(engine.requests) == 2 and 'written="model",result="malformed"} 2' in rest
+
+
+class RefusingEngine(FillingEngine):
+    """Refuses every scaffolded request (a full queue, a draining server)."""
+
+    def submit(self, req: Request, on_event: Any) -> int:
+        if req.scaffold is not None:
+            from clover_jax.serving.requests import QueueFull
+
+            raise QueueFull("the queue is full")
+        return super().submit(req, on_event)
+
+
+class StallingEngine(FillingEngine):
+    """Sends a scaffolded request's first block, then nothing (so the request's deadline passes mid-rewrite)."""
+
+    def submit(self, req: Request, on_event: Any) -> int:
+        if req.scaffold is None:
+            return super().submit(req, on_event)
+        self.requests.append(req)
+        first = [t if t >= 0 else TOK.encode("1")[0] for t in req.scaffold.tokens[:self.block_length]]
+        threading.Thread(target=lambda: on_event(Event(tuple(first), None, 1)), daemon=True).start()
+        return len(self.requests)
+
+
+def test_what_the_rewrite_must_not_do():
+    # refused: the draft's end stands, its text whole
+    reply = 'Let me see. <tool_call>{"name": "add", "arguments": {"a": 12, "b": 3}'
+    out, _ = _post(RefusingEngine(reply=reply))
+    assert out["finish_reason"] == "stop" and out["message"]["content"] == reply.strip()
+    # a call mentioned in the reasoning is no call: no rewrite under "auto"
+    engine = FillingEngine(reply="<think>A <tool_call> would help; no.</think>\n\nIt is fifteen.", values="1203")
+    out, _ = _post(engine)
+    assert out["finish_reason"] == "stop" and out["message"]["content"] == "It is fifteen."
+    assert all(r.scaffold is None for r in engine.requests)
+    # required, the draft plain text: nothing of it streams, and the answer is the call alone
+    engine = FillingEngine(reply="The answer is fifteen, I think so.", values="1203")
+    out, rest = _post(engine, tool_choice="required")
+    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+    assert "fifteen" not in rest
+    # the first of two drafted calls is the one rewritten (its tool, its sizes), the second's name notwithstanding
+    reply = (' <tool_call>{"name": "add", "arguments": {"a": 1, "b": 22}\n'
+             '<tool_call>{"name": "pick", "arguments": {"city": "Ro')
+    out, _ = _post(FillingEngine(reply=reply, values="935"))
+    (call,) = out["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 9, "b": 35}
+    # a string value drafted one token long still gets its two quotes' columns
+    draft = '{"name": "pick", "arguments": {"city": 5, "fast": true, "mode": "walk"'
+    layout = _forms().frame(SPECS["pick"], _forms().value_sizes("<tool_call>" + draft, SPECS["pick"]))
+    assert layout is not None and layout.slots[0][2] - layout.slots[0][1] == 2
+
+
+def test_a_deadline_in_the_middle_of_a_rewrite_sends_no_part_of_it():
+    from clover_jax.serving.http_request import Limits
+
+    for reply, choice, content in [("The answer is fifteen.", "required", ""),
+                                   ('Hi. <tool_call>{"name": "add", "arguments": {"a": 12, "b": 3}', "auto", "Hi.")]:
+        engine = StallingEngine(reply=reply)
+        http = TestClient(make_app(engine, TOK, "scripted", limits=Limits(request_timeout_s=1.0)))
+        body = {"messages": [{"role": "user", "content": "add 12 and 3"}], "tools": [ADD, PICK], "max_tokens": 200,
+                "tool_choice": choice}
+        out = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert out["finish_reason"] == "length" and out["message"]["content"] == content, out
+        assert "tool_calls" not in out["message"]

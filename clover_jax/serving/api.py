@@ -116,6 +116,8 @@ def make_app(engine: ServingEngine, tokenizer: Tokenizer, model_name: str, *,
     classes = getattr(engine, "scaffold_classes", 0)
     forms = CallForms(tokenizer, engine.cfg.vocab_size, engine.cfg.eos_token_id, classes, form_of(tokenizer),
                       engine.block_length) if classes and engine.cfg.eos_token_id is not None else None
+    if forms is not None:
+        forms.prepare()
     state = ServerState(engine, tokenizer, model_name, log or logging.getLogger("clover_jax.serving").error,
                         dict(defaults or {}), limits=limits, forms=forms)
     keys = KeyRing(api_keys)

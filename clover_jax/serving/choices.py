@@ -73,6 +73,7 @@ class Choice:
     calls: tuple[tuple[str, ParsedCall], ...] = ()  # (id, call) of the tool calls it ended with
     thinking: bool | None = None  # a chat choice (reasoning apart); True: its prompt opened `<think>`
     reasoning: str = ""  # the reasoning released so far (`text`: the answer)
+    hold: bool = False  # release nothing until it ends (a call `tool_choice` requires may replace the whole draft)
     gen: int = 0  # which of its engine requests runs now (a rewrite is the next); older ones' events are dropped
     layout: CallLayout | None = None  # while its call is rewritten into a scaffold: the call's layout
     passes_before: int = 0  # passes of its earlier engine requests
@@ -113,6 +114,8 @@ class Choice:
             end -= 1
         upto = full[:max(end, 0)]
         reasoning, answer = self._split(upto, final=False)
+        if self.hold:
+            return Released("")
         if tools is not None:  # hold back a call (or what may become one), and the whitespace before it
             answer = answer.split(OPEN, 1)[0]
             answer = answer[:len(answer) - pending_open(answer)].rstrip()
@@ -171,7 +174,9 @@ class Run:
         self.engine, self.tokenizer, self.job, self.loop = engine, tokenizer, job, loop
         self.forms = forms  # with tools: rewrite a call the model did not write whole into the canvas
         self.queue: asyncio.Queue[tuple[int, int, Event] | None] = asyncio.Queue()
-        self.choices = [Choice(i, thinking=job.reasoning) for i in range(len(job.requests))]
+        # a call `tool_choice` requires may replace a draft whole: nothing of it is released before it ends
+        hold = forms is not None and job.tools is not None and job.tools.choice in ("required", "function")
+        self.choices = [Choice(i, thinking=job.reasoning, hold=hold) for i in range(len(job.requests))]
         self.started = started
         self.deadline = deadline
         self.metrics = metrics
@@ -230,7 +235,10 @@ class Run:
         self.timed_out = True
         out = []
         for c in self.choices:
-            if not c.done:
+            if not c.done and c.layout is not None:  # a call being rewritten: the text before it was released
+                c.finish_reason = "length"
+                out.append((c, Released("")))
+            elif not c.done:
                 out.append((c, c.apply(Event((), "length", c.passes, c.queued_s), self.tokenizer.decode,
                                        self.job.stops, self.job.tools)))
                 if c.rid is not None:
@@ -256,7 +264,8 @@ class Run:
             if choice.done or gen != choice.gen:  # e.g. the "cancelled" event after a stop string matched
                 continue
             choice.passes = choice.passes_before + event.passes
-            choice.queued_s, choice.cached = event.queued_s, event.cached_tokens
+            if choice.layout is None:  # (a rewrite's prompt is the draft's: its queue time and cache are not news)
+                choice.queued_s, choice.cached = event.queued_s, event.cached_tokens
             if self.first_block is None and (event.tokens or event.finish_reason is not None):
                 self.first_block = time.monotonic()
             if event.finish_reason == "error":
@@ -264,7 +273,10 @@ class Run:
                 raise EngineFailure(f"the engine failed while generating choice {index} (request {choice.rid})")
             if choice.layout is not None:  # a call being rewritten: nothing to release until it ends
                 choice.tokens.extend(event.tokens)
-                if event.finish_reason is not None:
+                if event.finish_reason == "cancelled":
+                    choice.finish_reason = "cancelled"
+                    yield choice, Released("")
+                elif event.finish_reason is not None:
                     delta = choice.finish_call(self.tokenizer.decode, self.forms)
                     if self.metrics is not None:
                         self.metrics.count_tool_call("scaffold", bool(choice.calls))
@@ -279,18 +291,21 @@ class Run:
             yield choice, delta
 
     def _rewrite(self, choice: Choice, before: Choice, event: Event) -> bool:
-        """After a choice's draft ended: when its tools ask for a call and the draft holds none that is whole and
-        valid (it opened a call that does not parse, or `tool_choice` requires one), write the call's frame into the
-        canvas (`scaffold.CallForms.frame`, its values sized from the draft) and submit that as the choice's next
+        """After a choice's draft ended: when its tools ask for a call and the draft's answer holds none that is whole
+        and valid (it opened a call that does not parse, or `tool_choice` requires one), write the call's frame into
+        the canvas (`scaffold.CallForms.frame`, its values sized from the draft) and submit that as the choice's next
         engine request; `before`: the choice as it was before the draft's last event, which it is set back to
-        (nothing of the draft's end was released). False (the draft stands) when no call is needed or the rewrite
-        cannot run (no scaffold, a layout past max_tokens, the engine refusing it)."""
+        (nothing of the draft's end was released; a choice whose `tool_choice` requires a call released nothing of
+        its draft at all). False (the draft stands, as ended) when no call is needed or the rewrite cannot run (no
+        scaffold, a layout past max_tokens or past the engine's token classes, the engine refusing it)."""
         tools, forms = self.job.tools, self.forms
         if tools is None or choice.finish_reason not in ("stop", "length", "tool_calls"):
             return False
         decode = self.tokenizer.decode
         draft = list(choice.tokens if choice.used is None else choice.tokens[:choice.used])
-        k = opening(draft, decode)
+        full = decode(draft)
+        _, answer = choice._split(full, final=True)
+        k = opening(draft, decode, len(full) - len(answer))  # a call opened in the answer, not in the reasoning
         forced = tools.choice in ("required", "function")
         if choice.calls or (k is None and not forced):
             if k is not None and self.metrics is not None:
@@ -301,30 +316,32 @@ class Run:
         if forms is None:
             return False
         allowed = list(tools.allowed().values())
-        text = decode(draft[:k] if k else [])
-        call_text = decode(draft)[len(text) - len(OPEN):] if k else ""
+        if k is None:  # no call in the draft (which released nothing): the call alone, from the first column
+            kept, call_text = [], ""
+        else:  # the answer's text and the opening tag as the model wrote them, the frame on from there
+            kept = draft[:k]
+            call_text = full[len(decode(kept)) - len(OPEN):]
         spec = drafted_tool(call_text, allowed) or allowed[0]
         req = self.job.requests[choice.index]
         context = decode(list(req.prompt[-24:]))
         lead = "</think>\n\n" if choice.thinking else (" " if context.endswith(":") else "")
-        layout = forms.frame(spec, forms.value_sizes(call_text, spec), draft[:k] if k else (), lead, context + text)
+        layout = forms.frame(spec, forms.value_sizes(call_text, spec), kept, lead, context + decode(kept))
         if layout is None or layout.end >= req.max_tokens:
             return False
+        try:
+            rid = self.engine.submit(dataclasses.replace(req, scaffold=layout.scaffold),
+                                     self._on_event(choice.index, choice.gen + 1))
+        except Exception:  # (the queue is full, the server drains: the draft's end stands)
+            return False
+        if event.finish_reason is None and choice.rid is not None:
+            self.engine.cancel(choice.rid)
         passes = choice.passes
         for f in dataclasses.fields(Choice):
             setattr(choice, f.name, getattr(before, f.name))
         choice.gen += 1
+        choice.rid = rid
         choice.tokens, choice.seen = [], 0  # the rewrite's events bring its whole response, the fixed tokens too
         choice.layout, choice.passes_before, choice.passes = layout, passes, passes
-        try:
-            choice.rid = self.engine.submit(dataclasses.replace(req, scaffold=layout.scaffold),
-                                            self._on_event(choice.index, choice.gen))
-        except Exception:  # (the queue is full or the server drains: the draft's end stands)
-            choice.layout = None
-            choice.apply(event, decode, self.job.stops, tools)
-            return False
-        if event.finish_reason is None and before.rid is not None:
-            self.engine.cancel(before.rid)
         if self.metrics is not None:
             self.metrics.count_submitted()
         return True

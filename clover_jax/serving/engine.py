@@ -235,7 +235,8 @@ class Engine:
     def submit(self, req: Request, on_event: Callable[[Event], None]) -> int:
         """Queue `req`; see the module docstring. Raises BadRequest, QueueFull or Draining."""
         req.check(self.block_length, self.cache, self.cfg.vocab_size, self.max_prompt, self.max_tokens,
-                  speculative=self.self_speculative, scaffold_classes=self.scaffold_classes or None)
+                  speculative=self.self_speculative, scaffold_classes=self.scaffold_classes or None,
+                  mask_id=self.cfg.mask_token_id)
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")

@@ -54,9 +54,9 @@ class Scaffold:
     classes: tuple[int, ...] = ()
     allowed: tuple[tuple[int, ...], ...] = ()
 
-    def check(self, vocab_size: int, columns: int, n_classes: int) -> str | None:
+    def check(self, vocab_size: int, columns: int, n_classes: int, mask_id: int | None = None) -> str | None:
         """The first problem with this scaffold for a row of `columns` generated columns and `n_classes` token
-        classes, or None."""
+        classes (`mask_id`: the model's mask token, which is never written), or None."""
         if len(self.tokens) > columns or len(self.classes) > columns:
             return f"the scaffold covers {max(len(self.tokens), len(self.classes))} tokens, more than max_tokens"
         if any(not -1 <= t < vocab_size for t in self.tokens):
@@ -67,6 +67,8 @@ class Scaffold:
             return "a scaffold column names a token class it does not define"
         if any(not group or any(not 0 <= t < vocab_size for t in group) for group in self.allowed):
             return "a scaffold token class is empty or holds a token id outside the vocabulary"
+        if mask_id is not None and (mask_id in self.tokens or any(set(group) == {mask_id} for group in self.allowed)):
+            return "a scaffold fixes the mask token, or holds a column to it alone"
         return None
 
 
@@ -95,13 +97,13 @@ class Request:
 
     def check(self, block_length: int, cache: str, vocab_size: int, max_prompt: int, max_tokens: int,
               spell: Mapping[str, str] | None = None, given: Collection[str] = (), speculative: bool = False,
-              scaffold_classes: int | None = None) -> None:
+              scaffold_classes: int | None = None, mask_id: int | None = None) -> None:
         """Raise BadRequest naming the first problem (cheap, before the request is queued); settings are named as
         `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `settings.SERVER_FIXED` must be
         left at its default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows),
         which must be the engine's even when they equal the default. `speculative`: the engine serves
         self-speculative requests (`Engine.self_speculative`); `scaffold_classes`: the token classes a scaffold may
-        define (None: the engine takes no scaffolds)."""
+        define (None: the engine takes no scaffolds); `mask_id`: the model's mask token (a scaffold never fixes it)."""
         name = (lambda n: (spell or {}).get(n, n))
 
         def need(ok: bool, msg: str, param: str | None = None) -> None:
@@ -131,7 +133,7 @@ class Request:
             need(scaffold_classes is not None, "this server takes no scaffolds", "scaffold")
             need(not s.self_speculative, "a scaffolded request cannot be self-speculative", "scaffold")
             columns = -(-self.max_tokens // block_length) * block_length
-            problem = self.scaffold.check(vocab_size, columns, scaffold_classes or 0)
+            problem = self.scaffold.check(vocab_size, columns, scaffold_classes or 0, mask_id)
             need(problem is None, str(problem), "scaffold")
         for key in SERVER_FIXED:
             if key not in ("block_length", "cache", "self_speculative"):

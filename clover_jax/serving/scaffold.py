@@ -8,7 +8,7 @@ model's own call form (`FORMS`: the JSON form of the plain prompt format and the
 templates), the schema's required keys in its `properties` order (optional keys are left out), a slot of `sizes[key]`
 columns for each value and an end token after the closing tag. Each slot's columns are restricted by type:
 
-  integer / number   digits (and a sign, a point, an exponent for a number)
+  integer / number   digits (a sign or a space first only; a point and an exponent for a number)
   boolean            the tokens of `true` / `false`
   enum               the tokens of the enum's values (as JSON in the JSON form)
   string (JSON)      an opening quote first, a closing quote last, neither (nor a tag) between
@@ -16,8 +16,9 @@ columns for each value and an end token after the closing tag. Each slot's colum
 
 A value's length is not known before it is written, and a slot must be filled whole (the model was never taught to
 pad a value), so the slots are sized from the model's own draft of the call (`value_sizes`: the tokens each value
-took there), else from `DEFAULT_SIZE`. `read(layout, tokens)` reads the values back (a JSON-form value as JSON, an
-XML-form one converted by type; digits as an integer, leading zeros and all) and checks them against the schema: a `ParsedCall`, or None (malformed).
+took there, its first call's), else from `DEFAULT_SIZE`. `read(layout, tokens)` reads the values back (a JSON-form
+value as JSON, an XML-form one converted by type; digits as an integer, leading zeros and all) and checks them against
+the schema: a `ParsedCall`, or None (malformed).
 
 `TokenTexts` reads once per tokenizer what each token adds to a text; fixed text is tokenized in the context of the
 text before it, as the model saw such text in training.
@@ -91,6 +92,11 @@ class CallForms:
         if self.form not in FORMS:
             raise ValueError(f"unknown call form {self.form!r}; choose one of {', '.join(FORMS)}")
 
+    def prepare(self) -> None:
+        """Read the vocabulary's token texts now (a start-up cost, off any request's path)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.tokenizer, self.vocab_size)
+
     def tokens(self, context: str, piece: str) -> list[int]:
         """`piece`'s tokens as they follow `context` (those of context + piece after context's own, where the
         tokenizer keeps context's tokens; else the piece's alone)."""
@@ -102,6 +108,8 @@ class CallForms:
         return enc(piece)
 
     def _class(self, key: Any, ok: Callable[[str], bool]) -> tuple[int, ...]:
+        if len(self._classes) > 1024:  # (enums are the client's: keep the cache bounded)
+            self._classes.clear()
         if key not in self._classes:
             if self._texts is None:
                 self._texts = TokenTexts(self.tokenizer, self.vocab_size)
@@ -118,10 +126,12 @@ class CallForms:
         if isinstance(enum, list) and enum:
             words = tuple(json.dumps(v) if js or not isinstance(v, str) else v for v in enum)
             return [self._class(("enum", words), lambda t: any(t.strip() and t.strip() in w for w in words))] * n
-        if kind == "integer":
-            return [self._class("integer", lambda t: bool(re.fullmatch(r"\s?-?[0-9]+|\s?-", t)))] * n
+        if kind == "integer":  # a sign (or a space) first only
+            return [self._class("integer_first", lambda t: bool(re.fullmatch(r"\s?-?[0-9]+|\s?-", t)))] + \
+                [self._class("integer", lambda t: bool(re.fullmatch(r"[0-9]+", t)))] * (n - 1)
         if kind == "number":
-            return [self._class("number", lambda t: bool(re.fullmatch(r"\s?[-+0-9.eE]+", t)))] * n
+            return [self._class("number_first", lambda t: bool(re.fullmatch(r"\s?-?[0-9.]+|\s?-", t)))] + \
+                [self._class("number", lambda t: bool(re.fullmatch(r"[-+0-9.eE]+", t)))] * (n - 1)
         if kind == "boolean":
             words = ("true", "false") if js else ("true", "false", "True", "False")
             return [self._class(("boolean", words), lambda t: any(t.strip() and t.strip() in w for w in words))] * n
@@ -164,8 +174,9 @@ class CallForms:
             add(head + ((", " if i else "") + f"{json.dumps(key)}: " if js else f"<parameter={key}>\n"))
             schema = props.get(key) if isinstance(props.get(key), dict) else {}
             types = schema.get("type")
-            n = max(1, min(int(sizes.get(key) or DEFAULT_SIZE.get(types if isinstance(types, str) else "any", 4)),
-                           MAX_SIZE))
+            n = max(2 if types == "string" and js else 1,  # (a JSON string's two quotes)
+                    min(int(sizes.get(key) or DEFAULT_SIZE.get(types if isinstance(types, str) else "any", 4)),
+                        MAX_SIZE))
             slots.append((key, len(tokens), len(tokens) + n))
             tokens.extend([-1] * n)
             columns.extend(self.column_classes(schema, n))
@@ -177,7 +188,7 @@ class CallForms:
         tokens.extend([self.eos_id] * pad)
         columns.extend([None] * pad)
         groups = list(dict.fromkeys(c for c in columns if c is not None))
-        if len(groups) > self.n_classes:
+        if len(groups) > self.n_classes or not all(groups):  # (an empty class: this tokenizer cannot write it)
             return None
         classes = tuple(0 if c is None else groups.index(c) + 1 for c in columns)
         return CallLayout(spec, Scaffold(tuple(tokens), classes, tuple(groups)), tuple(slots), end)
@@ -206,6 +217,7 @@ class CallForms:
         """The tokens each of `spec`'s values took in `draft` (the model's own text of a call, parsed leniently:
         the first value after each key), for the keys found there."""
         out = {}
+        draft = first_call(draft) or draft
         for key in (spec.parameters.get("properties") or {}):
             if self.form == "json":
                 m = re.search(re.escape(json.dumps(key)) + r'\s*:\s*', draft)
@@ -225,17 +237,33 @@ class CallForms:
         return out
 
 
-def drafted_tool(draft: str, tools: Sequence[ToolSpec]) -> ToolSpec | None:
-    """The tool a draft's first call names (the longest name it names), or None."""
+def first_call(draft: str) -> str:
+    """A draft's text from its first opening tag up to the next one (its first call, whole or not), or ""."""
     i = draft.find(OPEN)
     if i < 0:
-        return None
-    named = [t for t in tools if json.dumps(t.name) in draft[i:] or f"<function={t.name}>" in draft[i:]]
+        return ""
+    j = draft.find(OPEN, i + len(OPEN))
+    return draft[i:j if j >= 0 else len(draft)]
+
+
+def drafted_tool(draft: str, tools: Sequence[ToolSpec]) -> ToolSpec | None:
+    """The tool a draft's first call names (the longest name it names), or None."""
+    call = first_call(draft)
+    named = [t for t in tools if json.dumps(t.name) in call or f"<function={t.name}>" in call]
     return max(named, key=lambda t: len(t.name), default=None)
 
 
-def opening(tokens: Sequence[int], decode: Callable[[list[int]], str]) -> int | None:
-    """The tokens of a draft up to the end of its first opening tag (how many), or None when it opens no call."""
-    if OPEN not in decode(list(tokens)):
+def opening(tokens: Sequence[int], decode: Callable[[list[int]], str], start: int = 0) -> int | None:
+    """The tokens of a draft up to the end of its first opening tag at or after character `start` of its text (how
+    many), or None when it opens no call there."""
+    at = decode(list(tokens)).find(OPEN, start)
+    if at < 0:
         return None
-    return next(k for k in range(len(tokens) + 1) if OPEN in decode(list(tokens[:k])))
+    lo, hi = 0, len(tokens)  # the fewest tokens whose text holds that tag (the text only grows with the tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(list(tokens[:mid]))) >= at + len(OPEN):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
