@@ -153,8 +153,8 @@ def _page(tok: Any, n: int, seed: int) -> str:
 # the conversation's runs: (label, prefix cache on, the request's diffusion settings)
 RUNS = (("diffusion, cache on", True, {}), ("diffusion, cache off", False, {}),
         ("threshold 0.9, cache on", True, {"threshold": 0.9}),
-        ("4 tokens a pass, cache on", True, {"steps_per_block": 8}),
-        ("self-speculative", True, {"self_speculative": True, "steps_per_block": 1}))
+        ("4 tokens a pass, cache on", True, {"steps": 8}),
+        ("self-speculative", True, {"self_speculative": True, "steps": 1}))
 
 
 def conversation(args: argparse.Namespace) -> None:
