@@ -698,7 +698,10 @@ def test_engine_kwargs():
     kw = serve_cmd.engine_kwargs(args, None)
     assert kw == {"batch_sizes": (1, 4), "cache": "auto", "queue_size": 256, "dispatch": None, "mesh": None,
                   "max_tokens": 256, "self_speculative": False, "prefill_rows": 4,
-                  "prefix_cache_gb": 1.0}
+                  "prefix_cache_gb": 1.0, "scaffold_classes": serve_cmd.SCAFFOLD_CLASSES}
+    assert serve_cmd.SCAFFOLD_CLASSES > 0  # calls are written into the canvas by default
+    args = cli.build_parser().parse_args(["serve", "--tool-calls", "free"])
+    assert serve_cmd.engine_kwargs(args, None)["scaffold_classes"] == 0  # calls stay as the model wrote them
     args = cli.build_parser().parse_args(["serve", "--self-speculative", "--prefill-rows", "2"])
     assert serve_cmd.engine_kwargs(args, None)["self_speculative"] is True
     assert serve_cmd.engine_kwargs(args, None)["prefill_rows"] == 2
