@@ -18,10 +18,11 @@ offered: no causal model of this vocabulary calls these tools. Prints figures; a
 
     python benchmarks/agent.py --conversation 8 --observation 1024    # a long conversation, prefix cache on / off
 
-`--conversation STEPS` instead runs one long agent-shaped conversation through the server, decoded five ways
+`--conversation STEPS` instead runs one long agent-shaped conversation through the server, decoded six ways
 (`RUNS`): block diffusion one token a pass with the prefix cache (`--prefix-cache-gb` 1) and without, at threshold
-0.9 and four tokens a pass with it, and self-speculatively with one-pass drafts (the causal model's greedy text,
-drafted by the diffusion; the server's `--self-speculative` lane); a task, then at each step the whole conversation
+0.9 and four tokens a pass with it, self-speculatively with one-pass drafts (the causal model's greedy text,
+drafted by the diffusion) and causally, one token a pass as an autoregressive model decodes (the same text; both on
+the server's `--self-speculative` lane); a task, then at each step the whole conversation
 is sent again (chat completions, greedy, `--reply` tokens), the reply appended and an observation of about
 `--observation` tokens (a page of text, sent as a user message, as a tool's result would be) after it. The shipped
 clover-tiny
@@ -154,7 +155,8 @@ def _page(tok: Any, n: int, seed: int) -> str:
 RUNS = (("diffusion, cache on", True, {}), ("diffusion, cache off", False, {}),
         ("threshold 0.9, cache on", True, {"threshold": 0.9}),
         ("4 tokens a pass, cache on", True, {"steps": 8}),
-        ("self-speculative", True, {"self_speculative": True, "steps": 1}))
+        ("self-speculative", True, {"self_speculative": True, "steps": 1}),
+        ("causal, one token a pass", True, {"causal": True}))
 
 
 def conversation(args: argparse.Namespace) -> None:
@@ -186,7 +188,8 @@ def conversation(args: argparse.Namespace) -> None:
         with serve_in_background(eng, tok, cfg.name) as srv:
             client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600)
             for label, cache_on, diffusion in RUNS:
-                if cache_on != on or (diffusion.get("self_speculative") and not cfg.causal_prefix):
+                lane = diffusion.get("self_speculative") or diffusion.get("causal")
+                if cache_on != on or (lane and not cfg.causal_prefix):
                     continue
                 # each run its own task line, so no run reuses another's saved conversation
                 messages = [{"role": "system", "content": "You read pages and act."},

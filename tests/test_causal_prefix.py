@@ -176,12 +176,21 @@ def test_self_speculative_refuses_what_it_cannot_do(weights):
     two = generate(weights, CFG, [[5, 9, 17], [7, 8]], sc.replace(eos_stop=False), dispatch="dense")
     one = generate(weights, CFG, [[7, 8]], sc.replace(eos_stop=False), dispatch="dense")
     assert two.raw[1].tolist() == one.raw[0].tolist() and two.stats.rows == 2  # prompts one after another
+    causal = sc.replace(self_speculative=False, causal=True, eos_stop=False)
+    with pytest.raises(SamplerError, match=r"causal: the model is not run with a causal prefix.*no causal model to "
+                                           r"decode with"):
+        generate(None, get_config("test-clover-hybrid"), [[5, 6]], causal)
+    with pytest.raises(SamplerError, match="causal: it needs the prefix cache"):
+        generate(weights, CFG, [[5, 6]], causal.replace(cache="none"))
+    with pytest.raises(SamplerError, match="give self_speculative or causal, not both"):
+        generate(weights, CFG, [[5, 6]], causal.replace(self_speculative=True))
+    assert generate(weights, CFG, [[7, 8]], causal, dispatch="dense").raw[0].tolist() == one.raw[0].tolist()
 
 
 def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
     """A request with `self_speculative` (on an engine started with it) gets exactly `generate`'s self-speculative
-    tokens, cut at its max_tokens, while ordinary rows run beside it; a server without it, or a model without a
-    causal prefix, refuses by name."""
+    tokens, cut at its max_tokens, while ordinary rows run beside it; a `causal` request the same text one pass a
+    token; a server without the lane, or a model without a causal prefix, refuses by name."""
     import threading
 
     from clover_jax.serving.engine import Engine
@@ -191,7 +200,8 @@ def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
                  self_speculative=True)
     spec = SamplerConfig(self_speculative=True, threshold=0.5)
     reqs = [Request((5, 9, 17, 33, 40), 24, spec), Request((7, 8, 9), 13, spec),
-            Request((11, 12), 16, SamplerConfig(eos_stop=False))]
+            Request((11, 12), 16, SamplerConfig(eos_stop=False)), Request((5, 9, 17, 33, 40), 24,
+                                                                          SamplerConfig(causal=True))]
     events: dict[int, list] = {}
     done = threading.Event()
 
@@ -216,17 +226,76 @@ def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
         assert list(ev.tokens) == want, i
         assert ev.finish_reason == ("stop" if len(ref.tokens[0]) < r.max_tokens else "length")
         assert ev.passes > 0
+    (ev,) = events[3]  # causal: the self-speculative text, one pass a token after one over the prompt
+    assert list(ev.tokens) == list(events[0][0].tokens)
+    assert ev.passes == len(ev.tokens) + 1 + (ev.finish_reason == "stop")  # a pass for the prompt and the end token
     plain = [t for ev in events[2] for t in ev.tokens]
     assert plain == generate(weights, CFG, [[11, 12]], reqs[2].row_settings(8).replace(cache="prefix"),
                              dispatch="dense").raw[0].tolist()[:16]
     stats = eng.stats()
-    assert stats.requests_finished == 3 and stats.active_rows == 0
+    assert stats.requests_finished == 4 and stats.active_rows == 0
     plain_engine = Engine(weights, CFG, block_length=8, max_prompt=8, max_tokens=24, batch_sizes=(1,),
                           dispatch="dense")
-    with pytest.raises(BadRequest, match="needs a server started with --self-speculative"):
-        plain_engine.submit(reqs[0], lambda ev: None)
+    for r in (reqs[0], reqs[3]):
+        with pytest.raises(BadRequest, match="needs a server started with --self-speculative"):
+            plain_engine.submit(r, lambda ev: None)
     with pytest.raises(ServingError, match="not run with a causal prefix"):
         Engine(None, get_config("test-clover-hybrid"), block_length=8, self_speculative=True)
+
+
+def test_the_lane_shares_the_prefix_cache_with_the_rows(weights):
+    """With the prefix cache on, a causal or self-speculative request takes the longest saved prompt its prompt
+    begins with (saved by the lane or by a row) and saves its own stem (its `keep`, else its prompt but the last
+    token); a row takes what the lane saved. Every response is the one a full prefill gives (`generate`)."""
+    import dataclasses
+    import threading
+
+    from clover_jax.serving.engine import Engine
+    from clover_jax.serving.requests import Request
+
+    # prompts prefilled 8 tokens a window (several windows a prompt), the lane's programs narrower than a row
+    eng = Engine(weights, CFG.replace(prefill_chunk=8), block_length=8, max_prompt=100, max_tokens=16,
+                 batch_sizes=(1,), dispatch="dense", self_speculative=True, prefix_cache_gb=1.0, prefill_rows=1)
+    eng.start()
+
+    def ask(prompt, sc, keep=0):
+        done, events = threading.Event(), []
+
+        def on_event(ev):
+            events.append(ev)
+            if ev.finish_reason:
+                done.set()
+
+        req = dataclasses.replace(Request(tuple(prompt), 16, sc), keep=keep)
+        eng.submit(req, on_event)
+        assert done.wait(600)
+        return req, [t for ev in events for t in ev.tokens], events[-1].cached_tokens
+
+    base = [int(x) for x in np.random.default_rng(0).integers(5, 200, 21)]
+    causal, spec = SamplerConfig(causal=True), SamplerConfig(self_speculative=True, threshold=0.5)
+    greedy = generate(weights, CFG, [base], SamplerConfig(gen_length=16, block_length=8, causal=True),
+                      dispatch="dense").tokens[0]
+    longer = [*base[:17], 9, 8, 7, 6, 5, 4, 33]
+    steps = [(base, causal, 17, 0), (longer, causal, 0, 17), ([*longer, 12, 13], spec, 0, 23),
+             ([*longer[:-1], 40, 41, 42], SamplerConfig(eos_stop=False), 0, 23),  # a row, from the lane's save
+             ([*longer[:-1], 40, 41, 42], causal, 0, 23),  # saved whole by the row: not taken whole (its last token)
+             ([*longer[:-1], 40, 41, 42, 43, 44], causal, 0, 26),  # the lane, from the row's save
+             (base, spec, 0, 17)]
+    for prompt, sc, keep, cached in steps:
+        req, got, hit = ask(prompt, sc, keep)
+        assert hit == cached, (prompt, hit)
+        if sc.causal or sc.self_speculative:
+            want = generate(weights, CFG, [prompt], SamplerConfig(gen_length=16, block_length=8, causal=True),
+                            dispatch="dense").tokens[0][:16]
+        else:
+            want = generate(weights, CFG, [prompt], req.row_settings(8).replace(cache="prefix"),
+                            dispatch="dense").raw[0].tolist()[:16]
+        assert got == want, prompt
+    assert ask(base, causal)[1] == greedy[:16]
+    stats = eng.stats()
+    eng.drain()
+    assert (stats.prefix_lookups, stats.prefix_hits) == (len(steps) + 1, len(steps))
+    assert stats.prefix_tokens_reused == sum(c for *_, c in steps) + 20  # the last: base but its last token
 
 
 def test_the_causal_loss_is_the_causal_models_next_token_ce(weights):

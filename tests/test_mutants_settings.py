@@ -141,6 +141,9 @@ def test_model_args_errors_name_the_argument(name, given, message):
     (dict(self_speculative=True, cfg_scale=1.0),
      "self_speculative decodes greedily: it takes temperature 0 and no guidance (got temperature 0.0, cfg_scale 1.0)",
      "self_speculative"),
+    (dict(causal=True, temperature=0.5),
+     "causal decodes greedily: it takes temperature 0 and no guidance (got temperature 0.5, cfg_scale 0.0)", "causal"),
+    (dict(causal=True, self_speculative=True), "give self_speculative or causal, not both", "self_speculative"),
     (dict(steps_per_block=33), "steps_per_block must be an integer in [1, 32], got 33", "steps_per_block"),
 ])
 def test_check_settings_messages(changes, message, setting):
@@ -253,6 +256,14 @@ def test_flags_then_stored_defaults_then_the_table():
         SamplerConfig(temperature=0.5, gen_length=64, steps_per_block=4)
     assert S.from_flags(p.parse_args([])) == SamplerConfig()
     assert S.from_flags(argparse.Namespace()) == SamplerConfig()  # a namespace without the flags
+    # a greedy-only mode asked for by flag: the checkpoint's temperature (for sampling the diffusion) stays out
+    for mode in ("--causal", "--self-speculative"):
+        got = S.from_flags(p.parse_args([mode]), stored)
+        assert (got.temperature, got.gen_length, got.steps) == (0.0, 64, 32) and S.check_settings(got) is None
+    with pytest.raises(SamplerError, match="causal decodes greedily"):  # a temperature given with it is refused
+        S.check_settings(S.from_flags(p.parse_args(["--causal", "--temperature", "0.25"]), stored))
+    assert S.merge_defaults({"causal": False}, stored) == {**stored, "causal": False}  # not asked for: kept
+    assert S.merge_defaults({"causal": True}, {"cfg_scale": 1.5, "top_k": 4}) == {"causal": True, "top_k": 4}
 
 
 def test_stored_defaults_read_and_type_checked(tmp_path):

@@ -208,9 +208,9 @@ def test_clover_likelihood_is_transformers_exact_log_likelihood(models):
 
 
 def test_self_speculative_is_transformers_greedy_generate(models):
-    """Self-speculative decoding (the block diffusion drafts, the causal model accepts) writes exactly what
-    transformers' greedy `generate` of the Qwen3.5 model writes on the same weights, a left-padded prompt
-    bucket included."""
+    """Self-speculative decoding (the block diffusion drafts, the causal model accepts) and causal decoding (one
+    token a pass) write exactly what transformers' greedy `generate` of the Qwen3.5 model writes on the same
+    weights, a left-padded prompt bucket included."""
     from clover_jax.sampler import SamplerConfig, generate
 
     model, cfg, weights, _ = models
@@ -223,3 +223,7 @@ def test_self_speculative_is_transformers_greedy_generate(models):
     got = generate(cw, clover, [prompt], sc, dispatch="dense")
     np.testing.assert_array_equal(got.raw[0, :20], want)
     assert got.stats.tokens == 24 and got.stats.nfe > 0
+    # causal decoding: the same text one token a pass (after one pass over the prompt but its last token)
+    causal = generate(cw, clover, [prompt], sc.replace(self_speculative=False, causal=True), dispatch="dense")
+    np.testing.assert_array_equal(causal.raw[0, :20], want)
+    assert causal.stats.tokens == 24 and causal.stats.nfe == 24 + 1

@@ -725,6 +725,12 @@ def test_model_defaults_fill_what_a_request_leaves_out():
                     eng, (5, 6), False, defaults).requests[0]
     assert (req.sampling.temperature, req.sampling.remasking, req.max_tokens) == (0, "margin", 8)
     assert parse_job({"prompt": "ab"}, eng, (5, 6), False).requests[0].sampling.temperature == 0.0
+    eng.self_speculative = True  # a request for a mode that decodes greedily does not get the model's temperature
+    for mode in ("causal", "self_speculative"):
+        req = parse_job({"prompt": "ab", "diffusion": {mode: True}}, eng, (5, 6), False, defaults).requests[0]
+        assert (req.sampling.temperature, getattr(req.sampling, mode), req.sampling.remasking) == (0.0, True, "random")
+    with pytest.raises(BadRequest, match=r"diffusion\.causal decodes greedily"):
+        parse_job({"prompt": "ab", "temperature": 0.5, "diffusion": {"causal": True}}, eng, (5, 6), False, defaults)
 
 
 def install_fake_engine(delay: float) -> None:

@@ -44,7 +44,7 @@ def test_the_config_is_the_table():
     traced = [s.knob_as or s.name for s in S.SETTINGS.values() if s.knob is not None]
     assert list(S.Knobs._fields) == traced
     assert not any(S.SETTINGS[k].compiled for k in S.SETTINGS if k in S.Knobs._fields)
-    assert {"gen_length", "block_length", "cache", "block_grid", "self_speculative"} == \
+    assert {"gen_length", "block_length", "cache", "block_grid", "self_speculative", "causal"} == \
         {k for k, s in S.SETTINGS.items() if s.compiled}
 
 
@@ -233,7 +233,7 @@ def test_every_request_field_lands_on_its_setting():
     values = {"block_length": 16, "steps_per_block": 3, "remasking": "margin", "threshold": 0.25, "temperature": 0.5,
               "top_p": 0.75, "top_k": 7, "seed": 12, "cache": "prefix", "presence_penalty": 0.5,
               "frequency_penalty": -0.25, "repetition_penalty": 1.5}
-    assert set(values) | {"self_speculative"} == set(S.REQUEST_NAMES)  # that one greedy, below
+    assert set(values) | {"self_speculative", "causal"} == set(S.REQUEST_NAMES)  # those greedy, below
     body: dict = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {}}
     for name, wire in S.REQUEST_NAMES.items():
         if name in values:
@@ -241,12 +241,13 @@ def test_every_request_field_lands_on_its_setting():
                 values[name]
     sampling = parse_job(body, engine, (5, 6), False).requests[0].sampling
     assert {k: getattr(sampling, k) for k in values} == values
-    spec = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {"self_speculative": True}}
-    with pytest.raises(BadRequest, match=r"diffusion\.self_speculative needs a server started with "
-                                         r"--self-speculative"):
-        parse_job(spec, engine, (5, 6), False)
-    engine.self_speculative = True
-    assert parse_job(spec, engine, (5, 6), False).requests[0].sampling.self_speculative is True
+    for mode in ("self_speculative", "causal"):
+        engine.self_speculative = False
+        spec = {"prompt": [5, 6], "max_tokens": 8, "diffusion": {mode: True}}
+        with pytest.raises(BadRequest, match=rf"diffusion\.{mode} needs a server started with --self-speculative"):
+            parse_job(spec, engine, (5, 6), False)
+        engine.self_speculative = True
+        assert getattr(parse_job(spec, engine, (5, 6), False).requests[0].sampling, mode) is True
 
 
 def test_each_compiled_setting_compiles_a_new_program():

@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     with checked():
         check_settings(sc, spell)  # the settings, before reading or loading anything
     defaults = sampler_settings.SETTINGS
-    from_model = {k: v for k, v in stored.items() if getattr(args, k) is None and v != defaults[k].default}
+    from_model = {k: v for k, v in stored.items()
+                  if getattr(args, k) is None and v != defaults[k].default and getattr(sc, k) == v}
     if from_model:
         print(f"clover generate: from {stored_file}: "
               + ", ".join(f"{k}={v}" for k, v in from_model.items()) + " (flags override them)", file=sys.stderr)

@@ -86,7 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--self-speculative", action="store_true",
                    help="also serve requests that ask for self-speculative decoding ('diffusion': "
                         "{'self_speculative': true}: the causal model's greedy text, drafted by the block "
-                        "diffusion; each runs alone and arrives in one piece); a causal-prefix model's")
+                        "diffusion) or causal decoding ({'causal': true}: the same text one token a pass, as an "
+                        "autoregressive model decodes); each runs alone and arrives in one piece; a causal-prefix "
+                        "model's")
     p.add_argument("--dispatch", default=None, help="MoE dispatch (default: the model's, or the mesh's)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level of every line (default info; warning hides the access lines)")

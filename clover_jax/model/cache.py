@@ -147,7 +147,8 @@ def _kv_map(cache: KVCache, fn: Any) -> KVCache:
 
 
 def roll_columns(cache: KVCache, n: Array | int) -> KVCache:
-    """Every attention K/V column moved `n` columns left (traced n >= 0; the first n wrap round to the end)."""
+    """Every attention K/V column moved `n` columns left (traced; the first n wrap round to the end; a negative n
+    moves them right)."""
     return _kv_map(cache, lambda x: jnp.roll(x, -n, axis=2))
 
 

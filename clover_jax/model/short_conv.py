@@ -21,10 +21,12 @@ Array = jax.Array
 
 def _shift(x: Array, d: int) -> Array:
     """x [B, T, ...] moved d columns later along T: out[:, t] = x[:, t - d], zero where t - d is outside
-    (d < 0 looks ahead: out[:, t] = x[:, t + |d|])."""
+    (d < 0 looks ahead: out[:, t] = x[:, t + |d|]); all zeros when |d| >= T (a window narrower than the conv)."""
     if d == 0:
         return x
     t = x.shape[1]
+    if abs(d) >= t:
+        return jnp.zeros_like(x)
     pad = [(0, 0)] * x.ndim
     if d > 0:
         pad[1] = (d, 0)

@@ -302,17 +302,18 @@ class Prepared:
 
 def _check_speculative(cfg: ModelConfig, sc: SamplerConfig, prompts: Sequence[Sequence[int]], progress: bool,
                        record_logits: bool, batch: int | None) -> None:
-    """SamplerError for what self-speculative decoding cannot do (`speculative`: a causal-prefix model, one
-    sequence a program, the prefix cache, the prompt grid; no progress callback or recorded logits)."""
-    why = ("the model is not run with a causal prefix (bd_gdn='causal_prefix'): it has no causal model to check "
-           "the drafts" if not cfg.causal_prefix else
+    """SamplerError for what self-speculative or causal decoding cannot do (`speculative`: a causal-prefix model,
+    one sequence a program, the prefix cache, the prompt grid; no progress callback or recorded logits)."""
+    mode = "causal" if sc.causal else "self_speculative"
+    why = ("the model is not run with a causal prefix (bd_gdn='causal_prefix'): it has no causal model to "
+           + ("decode with" if sc.causal else "check the drafts") if not cfg.causal_prefix else
            "it runs one sequence a program" if len(prompts) != 1 or (batch or 1) != 1 else
            "it needs the prefix cache" if resolve_cache(cfg, sc.cache) != "prefix" else
            "it lays blocks right after the prompt (block_grid prompt)"
            if resolve_rule(cfg, "block_grid", sc.block_grid) != "prompt" else
            "it has no progress callback or recorded logits" if progress or record_logits else None)
     if why:
-        raise SamplerError(f"self_speculative: {why}", setting="self_speculative", param="self_speculative")
+        raise SamplerError(f"{mode}: {why}", setting=mode, param=mode)
 
 
 def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfig, *,
@@ -324,7 +325,7 @@ def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfi
     traced or compiled. The arguments mean what they mean for `generate` (`progress`: whether a
     progress callback is compiled in)."""
     validate(cfg, sc, prompts)
-    if sc.self_speculative:
+    if sc.self_speculative or sc.causal:
         _check_speculative(cfg, sc, prompts, progress, record_logits, batch)
     if forward_fn is None:
         if dispatch is None and mesh is not None:  # on a mesh: the expert-parallel strategy for it
@@ -340,7 +341,8 @@ def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], sc: SamplerConfi
     g = inputs.start.shape[1]
     spec = ProgramSpec(cfg, inputs.prompt.shape[0], inputs.prompt.shape[1], g, sc.block_length, cache,
                        guidance=sc.cfg_scale > 0, progress=progress, record_logits=record_logits,
-                       mesh=mesh, block_grid=grid, self_speculative=sc.self_speculative)
+                       mesh=mesh, block_grid=grid, self_speculative=sc.self_speculative,
+                       causal=sc.causal)
     return Prepared(spec, forward_fn, inputs, knobs(sc, cfg))
 
 
@@ -368,7 +370,7 @@ def generate(
     mesh: run sharded on this mesh (weights already in `model.weight_shardings` of it); None: one device.
     on_compile(message): called before a program is compiled (not when this process already has it).
     """
-    if sc.self_speculative and len(prompts) > 1:  # one sequence a program: the prompts one after another
+    if (sc.self_speculative or sc.causal) and len(prompts) > 1:  # one sequence a program: the prompts one after another
         parts = [generate(weights, cfg, [pr], sc, forward_fn=forward_fn, progress=progress,
                           record_logits=record_logits, prompt_len=prompt_len, dispatch=dispatch, mesh=mesh,
                           on_compile=on_compile) for pr in prompts]

@@ -73,6 +73,7 @@ class ProgramSpec:
     mesh: MeshRules | None = None  # where the program runs (None: one device)
     block_grid: str = "prompt"  # absolute: every block holds L canvas columns from position 0 (see `generate`)
     self_speculative: bool = False  # the block diffusion drafts, the causal model accepts (`speculative`)
+    causal: bool = False  # one token a pass, the causal model's (`speculative`)
 
     @property
     def n_blocks(self) -> int:
@@ -143,8 +144,8 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
     """The whole denoising loop. prompt [B, P] left-padded int32, prompt_len [B] its valid columns (0 = a
     filler row), start [B, G] the generated columns' first tokens: the mask token, after the prompt's
     tail on an absolute block grid (a filler row: any other token, so that it is done from the start)."""
-    if spec.self_speculative:
-        return ProgramOut(*run_speculative(spec, forward_fn, weights, prompt, prompt_len, start, knobs), None)
+    if spec.self_speculative or spec.causal:
+        return ProgramOut(*run_speculative(spec, forward_fn, weights, prompt, prompt_len, start, knobs)[:4], None)
     cfg = spec.model
     b, p, g, bl = spec.batch, spec.prompt_len, spec.gen_columns, spec.block_length
     t = p + g

@@ -120,6 +120,10 @@ class SamplerConfig:
                                             "causal model's greedy text, in fewer passes when the drafts agree "
                                             "(Clover as its ports run it; temperature 0, one sequence a program)",
                                      bool, compiled=True, request="diffusion.self_speculative")
+    causal: bool = setting(False, "decode as an autoregressive model would: one token a pass, the causal model's "
+                                  "greedy choice over its cache (a causal-prefix model's clean path; the text "
+                                  "self-speculative decoding writes; temperature 0, one sequence a program)",
+                           bool, compiled=True, request="diffusion.causal")
 
     @property
     def n_blocks(self) -> int:
@@ -282,6 +286,8 @@ MODEL_ARGS: dict[str, str] = {s.model_arg: s.name for s in SETTINGS.values()}  #
 # What the serving engine fixes for all its rows: the compiled settings (a request's length is its max_tokens, the
 # block length and the cache mode are the server's) and guidance, which would need twice the rows.
 SERVER_FIXED = (*(k for k, s in SETTINGS.items() if s.compiled), "cfg_scale")
+# The modes that decode the causal model greedily (one of them at a time): no temperature, no guidance.
+GREEDY_MODES = ("self_speculative", "causal")
 
 
 def check_settings(sc: SamplerConfig, spell: Mapping[str, str] | None = None) -> None:
@@ -299,11 +305,14 @@ def check_settings(sc: SamplerConfig, spell: Mapping[str, str] | None = None) ->
     if sc.steps is not None and sc.steps < sc.n_blocks:
         raise SamplerError(f"{steps} ({sc.steps}) must be at least the number of blocks ({gen} / {bl} = "
                            f"{sc.n_blocks})", setting="steps", param=steps)
-    if sc.self_speculative and (sc.temperature > 0 or sc.cfg_scale > 0):
+    if all(getattr(sc, mode) for mode in GREEDY_MODES):
         spec = name("self_speculative")
-        raise SamplerError(f"{spec} decodes greedily: it takes temperature 0 and no guidance (got temperature "
-                           f"{sc.temperature}, {name('cfg_scale')} {sc.cfg_scale})", setting="self_speculative",
-                           param=spec)
+        raise SamplerError(f"give {spec} or {name('causal')}, not both", setting="self_speculative", param=spec)
+    for mode in GREEDY_MODES:
+        if getattr(sc, mode) and (sc.temperature > 0 or sc.cfg_scale > 0):
+            spec = name(mode)
+            raise SamplerError(f"{spec} decodes greedily: it takes temperature 0 and no guidance (got temperature "
+                               f"{sc.temperature}, {name('cfg_scale')} {sc.cfg_scale})", setting=mode, param=spec)
 
 
 # ---- what `auto` means --------------------------------------------------------------------------------------
@@ -369,11 +378,21 @@ def add_flags(parser: Any) -> None:
 _ONE_OF = ("steps", "steps_per_block")  # two spellings of one thing: a flag for either replaces both defaults
 
 
+def merge_defaults(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings `given` (by flags or a request's fields) over `defaults` (a checkpoint's), leaving out a default
+    that would contradict what was given: steps or steps_per_block when the other is given, and the temperature
+    when a mode that decodes greedily (`GREEDY_MODES`) is asked for (a checkpoint's temperature is for sampling
+    the diffusion), and guidance (`cfg_scale`) then too."""
+    skip = set(_ONE_OF) if given.keys() & set(_ONE_OF) else set()
+    if any(given.get(mode) for mode in GREEDY_MODES):
+        skip |= {"temperature", "cfg_scale"}
+    return {k: v for k, v in defaults.items() if k not in skip} | dict(given)
+
+
 def from_flags(args: Any, defaults: Mapping[str, Any] | None = None) -> SamplerConfig:
-    """Flags first, then `defaults` (a checkpoint's, `read_defaults`), then the table's."""
+    """Flags first, then `defaults` (a checkpoint's, `read_defaults`; `merge_defaults`), then the table's."""
     given = {k: getattr(args, k) for k in SETTINGS if getattr(args, k, None) is not None}
-    values = {k: v for k, v in (defaults or {}).items() if not (k in _ONE_OF and given.keys() & set(_ONE_OF))}
-    return SamplerConfig(**(values | given))
+    return SamplerConfig(**merge_defaults(given, defaults or {}))
 
 
 HF_NAMES = {"max_new_tokens": "gen_length"}  # HuggingFace generation_config.json spellings

@@ -13,7 +13,9 @@ Contract:
     rows whose prompts share a width go in one call, at most `admit_rows[-1]` at a time, in their order; a prompt
     that begins with a saved one is admitted from it (its own call, `program.admit_reusing`), prefilling only its
     new tokens; every admitted prompt (and a row's `keep` stem, in a call of its own before the rest) is saved
-    (`prefix_cache.PrefixStore`, least recently used out first). A row's tokens are those of a full prefill alone.
+    (`prefix_cache.PrefixStore`, least recently used out first). A row's tokens are those of a full prefill alone;
+  * `lane_reuse(prompt, keep)` / `lane_save(...)`: the same store for a request of the engine's causal lane
+    (`serving.speculative`), whose program prefills its prompt itself.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from clover_jax.model import cache as kv_cache
 from clover_jax.model import masks
 from clover_jax.model.forward_fn import ForwardFn
 from clover_jax.sampler.settings import SamplerConfig, knobs
+from clover_jax.sampler.speculative import Reuse
 from clover_jax.sampler.step import pow2_widths, prefill_overlap
 from clover_jax.serving import program
 from clover_jax.serving.prefix_cache import Hit, PrefixStore
@@ -78,6 +81,7 @@ class Admission:
         self._prefill: dict[tuple[int, int], Any] = {}  # (prompt width, rows) -> the admission program
         self._reuse: dict[int, Any] = {}  # width of the new tokens -> the reusing admission program
         self._read: Any = None
+        self._blank: Any = None  # a zero one-row cache: the lane's `Reuse` when nothing is saved
 
     def width(self, n_tokens: int) -> int:
         """The prefill width for `n_tokens` prompt tokens: the narrowest of `widths` that holds them (0 without a
@@ -174,6 +178,29 @@ class Admission:
             for r in rows:
                 self._save(state, r.slot, r.prompt)
         return state, tally
+
+    def lane_reuse(self, prompt: tuple[int, ...], keep: int) -> tuple[Reuse, AdmissionTally]:
+        """For a request of the causal lane with the prefix cache on: its `Reuse` (the longest saved prompt that its
+        prompt but the last token begins with, which the lane's first round commits itself; the stem to give back:
+        `keep` when it is past the saved prompt and short of the whole, else all but the last token) and the
+        lookup's tally."""
+        tally = AdmissionTally()  # (no admission call: the lane's program prefills)
+        n = len(prompt)
+        hit = self._lookup(prompt[:-1], tally) if n > 1 else None
+        saved = hit.saved_len if hit else 0  # (the lane's models cut anywhere: reused == saved_len)
+        tally.hits += hit is not None
+        tally.reused += saved
+        if hit is None and self._blank is None:
+            self._blank = self.forward_fn.init_cache(1, self.columns)
+        stem = keep if saved < keep < n else max(n - 1, saved)
+        return Reuse(hit.cache if hit else self._blank, np.int32(saved), np.int32(stem)), tally
+
+    def lane_save(self, prompt: tuple[int, ...], reuse: Reuse, stem_cache: Any) -> None:
+        """Save the cache a lane program gave back for `prompt`'s stem (`lane_reuse`), unless it is no longer than
+        what was reused."""
+        stem = int(reuse.stem)
+        if stem > int(reuse.saved_len):
+            self.store.put(tuple(prompt[:stem]), lambda: stem_cache)
 
     def _lookup(self, prompt: tuple[int, ...], tally: AdmissionTally) -> Hit | None:
         """`store.lookup(prompt)` when the prefix cache is on (counted in `tally`)."""

@@ -21,9 +21,9 @@ Contract:
   * a request's tokens depend only on itself (its own knobs and random key, exact caches), never on
     what else shares the batch or what was served before it (up to float32 rounding: the batch bucket, the
     admission size and a reused prefix change how some sums are cut and ordered);
-  * with `self_speculative` (a causal-prefix model), a request that asks for it (`SamplerConfig.self_speculative`)
-    runs alone on a lane of its own beside the rows, through the sampler's self-speculative program
-    (`serving.speculative`), and gets its whole response in one event.
+  * with `self_speculative` (a causal-prefix model), a request that asks for self-speculative or causal decoding
+    (`SamplerConfig.self_speculative`, `SamplerConfig.causal`) runs alone on a lane of its own beside the rows,
+    through the sampler's program of that kind (`serving.speculative`), and gets its whole response in one event.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Engine:
     mesh: MeshRules | None = None
     forward_fn: ForwardFn | None = None
     admit_window_s: float = 0.02  # after rows freed: wait this long (at most 5% of a block) for new requests
-    self_speculative: bool = False  # also serve self-speculative requests (a causal-prefix model's; see above)
+    self_speculative: bool = False  # also serve self-speculative and causal requests (a causal-prefix model's)
     prefill_rows: int = 4  # queued requests admitted (and their prompts prefilled) together in one call, at most
     prefix_cache_gb: float = 0.0  # device memory for saved prompts' caches (the prefix cache; 0: off); see above
     scaffold_classes: int = 0  # token classes a request's scaffold may define (0: requests carry no scaffold)
@@ -153,7 +153,7 @@ class Engine:
         self._move: Any = None
         self._state: program.SlotState | None = None
         self._spec_queue: collections.deque[_Job] = collections.deque()
-        self._spec: dict[int, Any] = {}  # prompt width -> the self-speculative program
+        self._spec: dict[tuple[str, int], Any] = {}  # (speculative.KIND or CAUSAL, prompt width) -> the program
         self._spec_thread: threading.Thread | None = None
 
     # ---- compiled programs ------------------------------------------------------------------------
@@ -178,7 +178,8 @@ class Engine:
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         out["move", 0] = (program.move_program(state, mesh), (state, scalar, scalar))
         if self.self_speculative:
-            out.update(speculative.programs(cfg, fwd, bl, self.admission.widths, self.spec_columns, weights, mesh))
+            out.update(speculative.programs(cfg, fwd, bl, self.admission.widths, self.spec_columns, weights, mesh,
+                                            self.columns if self.admission.prefix_cache else None))
         return out
 
     def describe(self, key: tuple[Any, ...]) -> str:
@@ -191,8 +192,9 @@ class Engine:
             together = f", {k} at a time" if k > 1 else ""
             return (f"prefill program for prompts up to {n} tokens{together}" if self.cache == "prefix"
                     else f"admission program for {k} row{'s' if k > 1 else ''}")
-        if kind == speculative.KIND:
-            return f"self-speculative program for prompts up to {n} tokens"
+        if kind in speculative.KINDS:
+            what = "self-speculative" if kind == speculative.KIND else "causal (one token a pass)"
+            return f"{what} program for prompts up to {n} tokens"
         if kind == "reuse":
             return f"prefix-cache program for up to {n} new prompt tokens"
         return "row move program" if kind == "move" else "prefix-cache save program"
@@ -212,8 +214,8 @@ class Engine:
             kind, size = key[:2]  # rows of a block program, prompt width of a prefill program
             if kind == "block":
                 self._advance[size] = exe
-            elif kind == speculative.KIND:
-                self._spec[size] = exe
+            elif kind in speculative.KINDS:
+                self._spec[key] = exe
             elif kind == "move":
                 self._move = exe
             else:
@@ -245,7 +247,7 @@ class Engine:
             rid = self._next_id
             self._next_id += 1
             job = _Job(rid, req, on_event, req.row_settings(self.block_length))
-            (self._spec_queue if req.sampling.self_speculative else self._queue).append(job)
+            (self._spec_queue if speculative.kind(req.sampling) else self._queue).append(job)
             self._by_id[rid] = job
             self._lock.notify_all()
         return rid
@@ -369,9 +371,16 @@ class Engine:
         req, bl = job.req, self.block_length
         width = self.admission.width(len(req.prompt))
         batch = speculative.inputs(self.cfg, req.prompt, width, self.spec_columns, req.max_tokens, bl)
-        out = self._spec[width](self.weights, batch.prompt, batch.lengths, batch.start,
-                                knobs(job.settings, self.cfg))
-        return speculative.event(self.cfg, jax.device_get(out), req.max_tokens, job.queued_s)
+        run = self._spec[speculative.kind(job.settings), width]
+        args = (self.weights, batch.prompt, batch.lengths, batch.start, knobs(job.settings, self.cfg))
+        if not self.admission.prefix_cache:
+            return speculative.event(self.cfg, jax.device_get(run(*args)), req.max_tokens, job.queued_s)
+        reuse, tally = self.admission.lane_reuse(req.prompt, req.keep)
+        out, stem = run(*args, reuse)
+        self.admission.lane_save(req.prompt, reuse, stem)
+        with self._lock:
+            self._count.add(tally)
+        return speculative.event(self.cfg, jax.device_get(out), req.max_tokens, job.queued_s, int(reuse.saved_len))
 
     def _n_running(self) -> int:
         """Rows in use: running requests are kept in slots [0, n)."""

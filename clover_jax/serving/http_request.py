@@ -9,8 +9,8 @@ nothing is clipped), temperature (default 0 = greedy), top_p, stop (a string or 
 (1..`Limits.max_n` choices, each served by its own engine row and queue place, seeds seed, seed+1, ...;
 without a seed: random ones when temperature > 0, else 0; more than max_n is a 400 naming the limit),
 stream (+ stream_options.include_usage), and the extension object
-`"diffusion": {"steps", "block_length", "threshold", "remasking", "cache", "top_k", "self_speculative"}`. Unknown
-top-level fields are ignored (OpenAI clients send extras); a known field of the wrong type, an
+`"diffusion": {"steps", "block_length", "threshold", "remasking", "cache", "top_k", "self_speculative",
+"causal"}`. Unknown top-level fields are ignored (OpenAI clients send extras); a known field of the wrong type, an
 unknown `diffusion` field, or a setting the engine refuses is a 400 naming it. /v1/chat/completions
 takes at most `Limits.max_messages` messages (`clover_jax.serving.chat` reads them, and
 `clover_jax.serving.tools` the tool fields).
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
-from clover_jax.sampler.settings import KIND_WORDS, REQUEST_NAMES, SETTINGS, SamplerConfig
+from clover_jax.sampler.settings import KIND_WORDS, REQUEST_NAMES, SETTINGS, SamplerConfig, merge_defaults
 from clover_jax.serving.chat import parse_messages, render_messages
 from clover_jax.serving.field_error import FieldError
 from clover_jax.serving.guard import BodyTooLarge
@@ -317,26 +317,23 @@ _KIND_WORDS = {**KIND_WORDS, bool: "a boolean"}  # a JSON field's type, as `_fie
 def _settings(body: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """The request's sampler settings by `SamplerConfig` field: every setting of the table with a request name
     (`settings.REQUEST_NAMES`), read from the body (top level, or the `diffusion` object for `diffusion.*`) and
-    type-checked (ApiError 400 naming it), else `defaults`' value, else left out; and the names the body gave. An
-    unknown `diffusion` field is a 400 too."""
+    type-checked (ApiError 400 naming it), else `defaults`' value as `settings.merge_defaults` takes it, else left
+    out; and the names the body gave. An unknown `diffusion` field is a 400 too."""
     ext = _field(body, "diffusion", "an object", {})
     known = [wire.removeprefix("diffusion.") for wire in REQUEST_NAMES.values() if wire.startswith("diffusion.")]
     unknown = sorted(set(ext) - set(known))
     if unknown:
         raise ApiError(400, f"unknown diffusion field(s) {', '.join(unknown)}; known: {', '.join(known)}",
                        param=f"diffusion.{unknown[0]}")
-    out, given = {}, set()
+    given = {}
     for name, wire in REQUEST_NAMES.items():
         inner = wire.startswith("diffusion.")
         obj, key = (ext, wire.removeprefix("diffusion.")) if inner else (body, wire)
         value = _field(obj, key, _KIND_WORDS[SETTINGS[name].kind], None, where="diffusion." if inner else "")
         if value is not None:
-            given.add(name)
-        elif defaults.get(name) is not None:
-            value = defaults[name]
-        if value is not None:
-            out[name] = value
-    return out, given
+            given[name] = value
+    stored = {k: v for k, v in defaults.items() if k in REQUEST_NAMES and v is not None}
+    return merge_defaults(given, stored), set(given)
 
 
 def _seeds(seed: int | None, n: int, temperature: float) -> list[int]:

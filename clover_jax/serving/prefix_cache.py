@@ -9,13 +9,14 @@ cache (`model.cache.read_row` of the row right after its prompt was admitted) of
   * `put(prompt, read)` saves `read()` under `prompt` unless it is there already, first evicting the least recently
     used entries until it fits in `budget_bytes` (a settable attribute); it gives the entry, or None when a prompt
     is shorter than a grain or one entry is more than the whole budget.
-Entries are copies: no running row writes them. The store is the scheduler thread's alone; `len` and `nbytes`
-may be read from any thread.
+Entries are copies: no running row writes them. The engine's scheduler thread and its causal lane
+(`serving.speculative`) both look up and save; a lock makes each call whole.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +37,7 @@ class PrefixStore:
             raise ValueError(f"grain must be >= 1, got {grain}")
         self.grain, self.entry_bytes, self.budget_bytes = grain, entry_bytes, budget_bytes
         self._entries: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()  # LRU first
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -50,22 +52,24 @@ class PrefixStore:
 
     def lookup(self, prompt: tuple[int, ...]) -> Hit | None:
         """The longest saved prompt that `prompt` begins with (see the module docstring); None on a miss."""
-        best = max((key for key in self._entries if len(key) <= len(prompt) and prompt[:len(key)] == key),
-                   key=len, default=None)
-        reused = 0 if best is None else len(best) // self.grain * self.grain
-        if best is None or reused == 0:
-            return None
-        self._entries.move_to_end(best)
-        return Hit(self._entries[best], len(best), reused)
+        with self._lock:
+            best = max((key for key in self._entries if len(key) <= len(prompt) and prompt[:len(key)] == key),
+                       key=len, default=None)
+            reused = 0 if best is None else len(best) // self.grain * self.grain
+            if best is None or reused == 0:
+                return None
+            self._entries.move_to_end(best)
+            return Hit(self._entries[best], len(best), reused)
 
     def put(self, prompt: tuple[int, ...], read: Callable[[], Any]) -> Any | None:
         """Save `read()` under `prompt` (see the module docstring); the entry, or None when it cannot be kept."""
-        if prompt in self._entries:
-            self._entries.move_to_end(prompt)
-            return self._entries[prompt]
-        if len(prompt) < self.grain or self.entry_bytes > self.budget_bytes:
-            return None
-        while self._entries and (len(self._entries) + 1) * self.entry_bytes > self.budget_bytes:
-            self._entries.popitem(last=False)
-        self._entries[prompt] = entry = read()
-        return entry
+        with self._lock:
+            if prompt in self._entries:
+                self._entries.move_to_end(prompt)
+                return self._entries[prompt]
+            if len(prompt) < self.grain or self.entry_bytes > self.budget_bytes:
+                return None
+            while self._entries and (len(self._entries) + 1) * self.entry_bytes > self.budget_bytes:
+                self._entries.popitem(last=False)
+            self._entries[prompt] = entry = read()
+            return entry

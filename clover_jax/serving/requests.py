@@ -102,8 +102,9 @@ class Request:
         `spell` has them (the HTTP layer: `settings.REQUEST_NAMES`). A setting of `settings.SERVER_FIXED` must be
         left at its default or be the engine's; `given`: settings the client set explicitly (the HTTP layer knows),
         which must be the engine's even when they equal the default. `speculative`: the engine serves
-        self-speculative requests (`Engine.self_speculative`); `scaffold_classes`: the token classes a scaffold may
-        define (None: the engine takes no scaffolds); `mask_id`: the model's mask token (a scaffold never fixes it)."""
+        self-speculative and causal requests (`Engine.self_speculative`); `scaffold_classes`: the token classes a
+        scaffold may define (None: the engine takes no scaffolds); `mask_id`: the model's mask token (a scaffold
+        never fixes it)."""
         name = (lambda n: (spell or {}).get(n, n))
 
         def need(ok: bool, msg: str, param: str | None = None) -> None:
@@ -126,17 +127,18 @@ class Request:
         allowed = cache_choices(cache)
         need(s.cache in allowed, f"{name('cache')} must be {' or '.join(map(repr, allowed))} (this server's cache "
              f"mode is fixed at start), got {s.cache!r}", name("cache"))
-        need(not s.self_speculative or speculative,
-             f"{name('self_speculative')} needs a server started with --self-speculative (this one is not)",
-             name("self_speculative"))
+        for mode in ("self_speculative", "causal"):
+            need(not getattr(s, mode) or speculative,
+                 f"{name(mode)} needs a server started with --self-speculative (this one is not)", name(mode))
         if self.scaffold is not None:
             need(scaffold_classes is not None, "this server takes no scaffolds", "scaffold")
-            need(not s.self_speculative, "a scaffolded request cannot be self-speculative", "scaffold")
+            need(not (s.self_speculative or s.causal), "a scaffolded request cannot be self-speculative or causal",
+                 "scaffold")
             columns = -(-self.max_tokens // block_length) * block_length
             problem = self.scaffold.check(vocab_size, columns, scaffold_classes or 0, mask_id)
             need(problem is None, str(problem), "scaffold")
         for key in SERVER_FIXED:
-            if key not in ("block_length", "cache", "self_speculative"):
+            if key not in ("block_length", "cache", "self_speculative", "causal"):
                 need(getattr(s, key) == SETTINGS[key].default,
                      f"{name(key)} is not a per-request setting of this server", name(key))
         try:

@@ -22,7 +22,7 @@ class EngineStats:
     rows_in_blocks: int  # sum over block calls of the rows that ran a request
     prefill_calls: int = 0  # admission calls (each prefills one or more new requests' prompts together)
     rows_prefilled: int = 0  # requests admitted by them
-    prefix_lookups: int = 0  # admissions that looked in the prefix cache (it is on)
+    prefix_lookups: int = 0  # admissions (and lane requests) that looked in the prefix cache (it is on)
     prefix_hits: int = 0  # ... and reused a saved prompt's cache
     prefix_tokens_reused: int = 0  # prompt tokens those hits did not prefill
     prefix_entries: int = 0  # saved prompts held now
