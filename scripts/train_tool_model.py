@@ -3,12 +3,16 @@
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools   # later: resumes
 
-The shipped `checkpoints/clover-tiny-tools` is this run's checkpoint of step 5,700 (about 3.5 h on two cores),
-fine-tuned again into the reading Clover's ports run (a causal clean prefix) with
+The shipped `checkpoints/clover-tiny-tools` is this run's checkpoint of step 5,700 (about 3.7 h on two cores).
+A fine-tune into the reading Clover's ports run (a causal clean prefix) starts from it (not shipped yet: its card
+says how far it has come), first with
 
     python scripts/train_tool_model.py --run runs/tools-cp --export runs/clover-tiny-tools-cp \
         --base checkpoints/clover-tiny-tools --bd-gdn causal_prefix --causal-coef 1 --no-lift \
         --lr 5e-4 --warmup 20 --schedule 600 --score-every 100
+
+then from that export (`--base runs/clover-tiny-tools-cp`, a new `--run` and `--export`) with
+`--lr 3e-4 --schedule 2000` and the other settings the same.
 
 The toy task and its recipe are the repository's example `examples/toy_agent`. Block-diffusion SFT
 (`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's training questions,
