@@ -182,7 +182,7 @@ def conversation(args: argparse.Namespace) -> None:
         eng = Engine(weights, cfg, max_prompt=longest, max_tokens=args.reply, batch_sizes=(1,), prefill_rows=1,
                      prefix_cache_gb=1.0 if on else 0.0, self_speculative=on and cfg.causal_prefix)
         t0 = time.perf_counter()
-        eng.warm_up(lambda line: None)
+        eng.warm_up(lambda line: None, lane=True)
         print(f"prefix cache {'on' if on else 'off'}: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
         eng.start()
         with serve_in_background(eng, tok, cfg.name) as srv:

@@ -190,7 +190,8 @@ def test_self_speculative_refuses_what_it_cannot_do(weights):
 def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
     """A request with `self_speculative` (on an engine started with it) gets exactly `generate`'s self-speculative
     tokens, cut at its max_tokens, while ordinary rows run beside it; a `causal` request the same text one pass a
-    token; a server without the lane, or a model without a causal prefix, refuses by name."""
+    token; a server without the lane, or a model without a causal prefix, refuses by name. The lane's programs
+    compile on their first request, once each."""
     import threading
 
     from clover_jax.serving.engine import Engine
@@ -212,11 +213,17 @@ def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
                 done.set()
         return on_event
 
+    lines: list[str] = []
+    eng.warm_up(lines.append)
+    assert lines and not [x for x in lines if "first use" in x or "causal" in x]  # the lane's: on first use
     for i, r in enumerate(reqs):
         eng.submit(r, sink(i))
     eng.start()
     assert done.wait(600)
     eng.drain()
+    lane = [x for x in lines if x.endswith("(first use)")]  # one a kind: the second self-speculative one reuses it
+    assert len(lane) == 2 and lane[0].startswith("self-speculative program for prompts up to 8 tokens: "), lane
+    assert lane[1].startswith("causal (one token a pass) program for prompts up to 8 tokens: "), lane
     for i, r in enumerate(reqs[:2]):
         (ev,) = events[i]  # one piece
         ref = generate(weights, CFG, [list(r.prompt)], SamplerConfig(gen_length=24, block_length=8,

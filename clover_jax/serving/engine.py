@@ -3,8 +3,9 @@ scheduler thread that runs one compiled block program per batch bucket (`serving
 
 Contract:
   * `Engine(weights, cfg, ...)` checks the model and the settings (ServingError, before any compile);
-    `warm_up(log)` compiles every program the engine will ever run (one `advance` per batch bucket,
-    one `admit` per prompt width and admission size, one `move`), so nothing compiles while serving;
+    `warm_up(log)` compiles every program the rows will ever run (one `advance` per batch bucket,
+    one `admit` per prompt width and admission size, one `move`), so nothing compiles while serving rows; the
+    lane's programs (below) compile on their first request, one per kind and prompt width, each logged;
   * `submit(request, on_event)` validates the request (BadRequest), queues it (QueueFull when the queue
     holds `queue_size`, Draining once `drain` began) and returns its id. `on_event(Event)` is called
     from the scheduler thread after every block the request committed; its last event has a
@@ -24,6 +25,9 @@ Contract:
   * with `self_speculative` (a causal-prefix model), a request that asks for self-speculative or causal decoding
     (`SamplerConfig.self_speculative`, `SamplerConfig.causal`) runs alone on a lane of its own beside the rows,
     through the sampler's program of that kind (`serving.speculative`), and gets its whole response in one event.
+    That program compiles when the lane first needs it (a kind and prompt width no request used before): a server
+    starts without compiling all of them (two kinds times every prompt width), and only its first such request
+    waits.
 """
 
 from __future__ import annotations
@@ -154,6 +158,8 @@ class Engine:
         self._state: program.SlotState | None = None
         self._spec_queue: collections.deque[_Job] = collections.deque()
         self._spec: dict[tuple[str, int], Any] = {}  # (speculative.KIND or CAUSAL, prompt width) -> the program
+        self._spec_todo: dict[tuple[str, int], tuple[Any, tuple]] = {}  # the lane's programs not compiled yet
+        self._say: Callable[[str], None] = lambda _msg: None  # warm_up's log
         self._spec_thread: threading.Thread | None = None
 
     # ---- compiled programs ------------------------------------------------------------------------
@@ -199,32 +205,35 @@ class Engine:
             return f"prefix-cache program for up to {n} new prompt tokens"
         return "row move program" if kind == "move" else "prefix-cache save program"
 
-    def warm_up(self, log: Callable[[str], None] | None = None) -> None:
-        """Compile every program of `programs` (idempotent); `log` gets one line per block and prefill program:
-        "DESCRIPTION: SECONDS s [i/n]" with, before the last, an estimate of the time left (the mean so far)."""
-        if self._move is not None:
-            return
-        say = log or (lambda _msg: None)
-        state = self._empty_state()
-        programs = self.programs(self.weights, state)
-        start, n = time.perf_counter(), len(programs)
-        for i, (key, (fn, args)) in enumerate(programs.items(), 1):
-            t0 = time.perf_counter()
-            exe = fn.lower(*args).compile()
-            kind, size = key[:2]  # rows of a block program, prompt width of a prefill program
-            if kind == "block":
-                self._advance[size] = exe
-            elif kind in speculative.KINDS:
-                self._spec[key] = exe
-            elif kind == "move":
-                self._move = exe
-            else:
-                self.admission.install(key, exe)
-            if kind not in ("move", "read") and (kind != "prefill" or self.cache == "prefix"):
-                now = time.perf_counter()
-                left = f", about {(now - start) / i * (n - i):.0f} s left" if i < n else ""
-                say(f"{self.describe(key)}: {now - t0:.1f} s [{i}/{n} programs{left}]")
-        self._state = state
+    def warm_up(self, log: Callable[[str], None] | None = None, lane: bool = False) -> None:
+        """Compile every program of `programs` but the lane's (idempotent); `log` gets one line per block and prefill
+        program: "DESCRIPTION: SECONDS s [i/n]" with, before the last, an estimate of the time left (the mean so
+        far), and later one line per lane program as its first request compiles it ("DESCRIPTION: SECONDS s (first
+        use)"). `lane`: compile the lane's programs now too (a benchmark that times requests, not compiles)."""
+        if self._move is None:
+            self._say = log or (lambda _msg: None)
+            state = self._empty_state()
+            programs = self.programs(self.weights, state)
+            self._spec_todo = {k: programs.pop(k) for k in list(programs) if k[0] in speculative.KINDS}
+            start, n = time.perf_counter(), len(programs)
+            for i, (key, (fn, args)) in enumerate(programs.items(), 1):
+                t0 = time.perf_counter()
+                exe = fn.lower(*args).compile()
+                kind, size = key[:2]  # rows of a block program, prompt width of a prefill program
+                if kind == "block":
+                    self._advance[size] = exe
+                elif kind == "move":
+                    self._move = exe
+                else:
+                    self.admission.install(key, exe)
+                if kind not in ("move", "read") and (kind != "prefill" or self.cache == "prefix"):
+                    now = time.perf_counter()
+                    left = f", about {(now - start) / i * (n - i):.0f} s left" if i < n else ""
+                    self._say(f"{self.describe(key)}: {now - t0:.1f} s [{i}/{n} programs{left}]")
+            self._state = state
+        if lane:
+            for key in list(self._spec_todo):
+                self._lane_program(key)
 
     def _empty_state(self) -> program.SlotState:
         """A state with no running row, placed on the mesh when there is one."""
@@ -371,7 +380,7 @@ class Engine:
         req, bl = job.req, self.block_length
         width = self.admission.width(len(req.prompt))
         batch = speculative.inputs(self.cfg, req.prompt, width, self.spec_columns, req.max_tokens, bl)
-        run = self._spec[speculative.kind(job.settings), width]
+        run = self._lane_program((speculative.kind(job.settings), width))
         args = (self.weights, batch.prompt, batch.lengths, batch.start, knobs(job.settings, self.cfg))
         if not self.admission.prefix_cache:
             return speculative.event(self.cfg, jax.device_get(run(*args)), req.max_tokens, job.queued_s)
@@ -381,6 +390,16 @@ class Engine:
         with self._lock:
             self._count.add(tally)
         return speculative.event(self.cfg, jax.device_get(out), req.max_tokens, job.queued_s, int(reuse.saved_len))
+
+    def _lane_program(self, key: tuple[str, int]) -> Any:
+        """The lane's compiled program `key`, compiled now if no request used it before (the lane thread only)."""
+        if key not in self._spec:
+            fn, args = self._spec_todo[key]
+            t0 = time.perf_counter()
+            self._spec[key] = fn.lower(*args).compile()
+            del self._spec_todo[key]
+            self._say(f"{self.describe(key)}: {time.perf_counter() - t0:.1f} s (first use)")
+        return self._spec[key]
 
     def _n_running(self) -> int:
         """Rows in use: running requests are kept in slots [0, n)."""

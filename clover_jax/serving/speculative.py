@@ -5,7 +5,7 @@ token a pass, as an autoregressive model decodes); either response is exactly th
 
 Such a request advances by a different number of tokens every round, so it cannot share the engine's block-aligned
 rows: it runs whole, alone, through the sampler's own program of its kind (one per kind and prompt width, compiled
-at start like the engine's other programs), on a lane of its own beside the batched rows. Its response arrives in
+by the engine when a request first needs it), on a lane of its own beside the batched rows. Its response arrives in
 one piece (one event), cut at its end token or at its max_tokens. With the engine's prefix cache, the programs take
 the longest saved prompt its prompt begins with (saved by a row or by the lane) and give back the cache of its
 stem (a chat's conversation before the assistant's opening, else its prompt but the last token) for the store.
