@@ -460,7 +460,7 @@ _register(ModelConfig(
     layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=8, **_TEST_COMMON,
 ))
-_register(ModelConfig(
+_TEST_HYBRID = _register(ModelConfig(
     name="test-clover-hybrid", family="clover", n_layers=4, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
     expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, shared_expert_gate=True, attention="block_causal",
     block_size=8, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
@@ -468,14 +468,7 @@ _register(ModelConfig(
     linear_key_head_dim=16, linear_value_head_dim=8, bd_gdn="reconstructed", bd_conv_right_kernel=3,
     **_TEST_COMMON,
 ))
-_register(ModelConfig(
-    name="test-clover-prefix", family="clover", n_layers=4, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
-    expert_mlp_dim=32, n_shared_experts=1, shared_mlp_dim=32, shared_expert_gate=True, attention="block_causal",
-    block_size=8, attn_output_gate=True, norm_unit_offset=True, partial_rotary_factor=0.25,
-    layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=8, bd_gdn="causal_prefix", bd_conv_right_kernel=3,
-    **_TEST_COMMON,
-))
+_register(dataclasses.replace(_TEST_HYBRID, name="test-clover-prefix", bd_gdn="causal_prefix"))
 _register(ModelConfig(
     name="test-qwen3-moe", family="qwen3_moe", n_layers=2, n_kv_heads=2, n_experts=8, n_experts_per_tok=2,
     expert_mlp_dim=32, router="softmax", norm_topk_prob=True, attention="bidirectional", **_TEST_COMMON,

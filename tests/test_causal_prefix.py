@@ -25,6 +25,7 @@ from clover_jax.model import masks, params, transformer
 from clover_jax.model.short_conv import causal_conv, right_conv
 from clover_jax.sampler import SamplerConfig, generate
 from clover_jax.training import TokenStream, TrainConfig, losses, train
+from tests.engine_requests import serve, tokens
 
 CFG = get_config("test-clover-prefix", init_std=0.1)  # blocks of 8, 3 Gated DeltaNet + 1 attention layer
 
@@ -132,8 +133,6 @@ def test_two_stream_training_sees_what_the_sampler_sees(weights):
 def test_the_server_gives_generates_tokens(weights, cache):
     """Serving rows (prompt ids causal at admission, a block's ids causal once committed) give `generate`'s
     tokens, a request that joins while another runs included."""
-    import threading
-
     from clover_jax.serving.engine import Engine
     from clover_jax.serving.requests import Request
 
@@ -142,23 +141,9 @@ def test_the_server_gives_generates_tokens(weights, cache):
     reqs = [Request((5, 9, 17, 33, 40), 24, SamplerConfig(eos_stop=False)),
             Request((7, 8, 9), 16, SamplerConfig(eos_stop=False, threshold=0.3)),
             Request((11, 12), 8, SamplerConfig(eos_stop=False, remasking="margin"))]
-    events: dict[int, list] = {}
-    done = threading.Event()
-
-    def sink(i):
-        def on_event(ev):
-            events.setdefault(i, []).append(ev)
-            if sum(1 for v in events.values() if v[-1].finish_reason) == len(reqs):
-                done.set()
-        return on_event
-
+    events = serve(eng, reqs, drain=True)
     for i, r in enumerate(reqs):
-        eng.submit(r, sink(i))
-    eng.start()
-    assert done.wait(600)
-    eng.drain()
-    for i, r in enumerate(reqs):
-        got = [t for ev in events[i] for t in ev.tokens]
+        got = tokens(events[i])
         ref = generate(weights, CFG, [list(r.prompt)], r.row_settings(8).replace(cache="prefix"), dispatch="dense")
         assert got == ref.raw[0].tolist()[:r.max_tokens], i
 
@@ -192,8 +177,6 @@ def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
     tokens, cut at its max_tokens, while ordinary rows run beside it; a `causal` request the same text one pass a
     token; a server without the lane, or a model without a causal prefix, refuses by name. The lane's programs
     compile on their first request, once each."""
-    import threading
-
     from clover_jax.serving.engine import Engine
     from clover_jax.serving.requests import BadRequest, Request, ServingError
 
@@ -203,24 +186,10 @@ def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
     reqs = [Request((5, 9, 17, 33, 40), 24, spec), Request((7, 8, 9), 13, spec),
             Request((11, 12), 16, SamplerConfig(eos_stop=False)), Request((5, 9, 17, 33, 40), 24,
                                                                           SamplerConfig(causal=True))]
-    events: dict[int, list] = {}
-    done = threading.Event()
-
-    def sink(i):
-        def on_event(ev):
-            events.setdefault(i, []).append(ev)
-            if sum(1 for v in events.values() if v[-1].finish_reason) == len(reqs):
-                done.set()
-        return on_event
-
     lines: list[str] = []
     eng.warm_up(lines.append)
     assert lines and not [x for x in lines if "first use" in x or "causal" in x]  # the lane's: on first use
-    for i, r in enumerate(reqs):
-        eng.submit(r, sink(i))
-    eng.start()
-    assert done.wait(600)
-    eng.drain()
+    events = serve(eng, reqs, drain=True)
     lane = [x for x in lines if x.endswith("(first use)")]  # one a kind: the second self-speculative one reuses it
     assert len(lane) == 2 and lane[0].startswith("self-speculative program for prompts up to 8 tokens: "), lane
     assert lane[1].startswith("causal (one token a pass) program for prompts up to 8 tokens: "), lane
@@ -236,7 +205,7 @@ def test_the_server_serves_self_speculative_requests_beside_the_rows(weights):
     (ev,) = events[3]  # causal: the self-speculative text, one pass a token after one over the prompt
     assert list(ev.tokens) == list(events[0][0].tokens)
     assert ev.passes == len(ev.tokens) + 1 + (ev.finish_reason == "stop")  # a pass for the prompt and the end token
-    plain = [t for ev in events[2] for t in ev.tokens]
+    plain = tokens(events[2])
     assert plain == generate(weights, CFG, [[11, 12]], reqs[2].row_settings(8).replace(cache="prefix"),
                              dispatch="dense").raw[0].tolist()[:16]
     stats = eng.stats()
@@ -255,7 +224,6 @@ def test_the_lane_shares_the_prefix_cache_with_the_rows(weights):
     begins with (saved by the lane or by a row) and saves its own stem (its `keep`, else its prompt but the last
     token); a row takes what the lane saved. Every response is the one a full prefill gives (`generate`)."""
     import dataclasses
-    import threading
 
     from clover_jax.serving.engine import Engine
     from clover_jax.serving.requests import Request
@@ -266,17 +234,9 @@ def test_the_lane_shares_the_prefix_cache_with_the_rows(weights):
     eng.start()
 
     def ask(prompt, sc, keep=0):
-        done, events = threading.Event(), []
-
-        def on_event(ev):
-            events.append(ev)
-            if ev.finish_reason:
-                done.set()
-
         req = dataclasses.replace(Request(tuple(prompt), 16, sc), keep=keep)
-        eng.submit(req, on_event)
-        assert done.wait(600)
-        return req, [t for ev in events for t in ev.tokens], events[-1].cached_tokens
+        (events,) = serve(eng, [req])
+        return req, tokens(events), events[-1].cached_tokens
 
     base = [int(x) for x in np.random.default_rng(0).integers(5, 200, 21)]
     causal, spec = SamplerConfig(causal=True), SamplerConfig(self_speculative=True, threshold=0.5)

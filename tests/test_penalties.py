@@ -15,6 +15,7 @@ from clover_jax.model import params
 from clover_jax.sampler import SamplerConfig, compile_count, generate
 from clover_jax.sampler import settings as S
 from clover_jax.sampler.scoring import penalize
+from tests.engine_requests import serve, tokens
 
 CFG = get_config("test-clover-prefix", init_std=0.1)
 
@@ -92,8 +93,6 @@ def test_penalties_from_flags_and_requests(capsys):
 
 
 def test_the_server_penalizes_as_generate_does():
-    import threading
-
     from clover_jax.serving.engine import Engine
     from clover_jax.serving.requests import Request
 
@@ -101,21 +100,7 @@ def test_the_server_penalizes_as_generate_does():
     eng = Engine(w, CFG, block_length=8, max_prompt=8, max_tokens=24, batch_sizes=(2,), dispatch="dense")
     reqs = [Request((5, 9, 17), 24, SamplerConfig(eos_stop=False, repetition_penalty=5.0, presence_penalty=1.0)),
             Request((7, 8), 24, SamplerConfig(eos_stop=False))]
-    events: dict[int, list] = {}
-    done = threading.Event()
-
-    def sink(i):
-        def on_event(ev):
-            events.setdefault(i, []).append(ev)
-            if sum(1 for v in events.values() if v[-1].finish_reason) == len(reqs):
-                done.set()
-        return on_event
-
+    events = serve(eng, reqs, drain=True)
     for i, r in enumerate(reqs):
-        eng.submit(r, sink(i))
-    eng.start()
-    assert done.wait(600)
-    eng.drain()
-    for i, r in enumerate(reqs):
-        got = [t for ev in events[i] for t in ev.tokens]
+        got = tokens(events[i])
         assert got == generate(w, CFG, [list(r.prompt)], r.row_settings(8), dispatch="dense").raw[0].tolist(), i

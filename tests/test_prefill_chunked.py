@@ -17,6 +17,7 @@ from clover_jax.errors import ConfigError
 from clover_jax.model import ModelForward, params
 from clover_jax.sampler import SamplerConfig, generate
 from clover_jax.sampler import step as denoise
+from tests.engine_requests import serve, tokens
 
 sampler_generate = importlib.import_module("clover_jax.sampler.generate")  # the module, not the function
 
@@ -134,8 +135,6 @@ def test_a_hybrid_that_reads_clean_blocks_whole_prefills_in_one_pass():
 
 def _serve(chunk):
     """Both prompts through the engine (prefix cache): their tokens and the widest pass it traced."""
-    import threading
-
     from clover_jax.serving.engine import Engine
     from clover_jax.serving.requests import Request
 
@@ -144,22 +143,8 @@ def _serve(chunk):
     seen = []
     eng = Engine(weights, cfg, block_length=8, max_prompt=64, max_tokens=16, batch_sizes=(2,),
                  forward_fn=_Widths(cfg, seen=seen))
-    events: dict[int, list] = {}
-    done = threading.Event()
-
-    def sink(i):
-        def on_event(ev):
-            events.setdefault(i, []).append(ev)
-            if sum(1 for v in events.values() if v[-1].finish_reason) == len(PROMPTS):
-                done.set()
-        return on_event
-
-    for i, p in enumerate(PROMPTS):
-        eng.submit(Request(tuple(p), 16, SamplerConfig(eos_stop=False)), sink(i))
-    eng.start()
-    assert done.wait(600)
-    eng.drain()
-    return [[t for ev in events[i] for t in ev.tokens] for i in range(len(PROMPTS))], max(seen)
+    events = serve(eng, [Request(tuple(p), 16, SamplerConfig(eos_stop=False)) for p in PROMPTS], drain=True)
+    return [tokens(e) for e in events], max(seen)
 
 
 def test_the_serving_engine_prefills_in_windows():

@@ -5,7 +5,6 @@ still get what `generate` gives them alone."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
@@ -15,6 +14,7 @@ from clover_jax.sampler import SamplerConfig, generate
 from clover_jax.serving.engine import Engine
 from clover_jax.serving.requests import BadRequest, Event, Request, Scaffold
 from clover_jax.tokenizer import load_tokenizer
+from tests.engine_requests import serve, tokens
 
 L = 32
 pytestmark = pytest.mark.xdist_group("scaffold")
@@ -31,21 +31,8 @@ def engine():
 
 
 def _run(eng: Engine, reqs: list[Request]) -> list[tuple[list[int], Event]]:
-    done = threading.Event()
-    events: dict[int, list[Event]] = {i: [] for i in range(len(reqs))}
-
-    def sink(i: int):
-        def on(ev: Event) -> None:
-            events[i].append(ev)
-            if all(evs and evs[-1].finish_reason for evs in events.values()):
-                done.set()
-        return on
-
-    with eng._lock:  # admitted together, one batch
-        for i, r in enumerate(reqs):
-            eng.submit(r, sink(i))
-    assert done.wait(300)
-    return [([t for ev in events[i] for t in ev.tokens], events[i][-1]) for i in range(len(reqs))]
+    """Each request's tokens and last event, the requests admitted together (one batch)."""
+    return [(tokens(evs), evs[-1]) for evs in serve(eng, reqs, together=True, timeout=300)]
 
 
 def test_fixed_tokens_and_classes_hold_and_a_plain_row_beside_is_unchanged(engine):

@@ -241,16 +241,39 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     return _output(o, x, w, cfg), MixerState(recurrent, tail)
 
 
-def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, blocks: Array,
-                ) -> tuple[Array, MixerState]:
-    """`mixer` over block-diffusion training's (noisy, clean) halves of x [B, 2L, D]."""
-    bd = cfg.is_bd_gdn
+class _Halves(NamedTuple):
+    """Block-diffusion training's two streams after the short conv (`_halves`)."""
+
+    xn: Array  # the noisy half's input [B, L, D]
+    xc: Array  # the clean half's
+    pn: Array  # their projections (`_project`)
+    pc: Array
+    valid: Array  # [B, L], the clean half's (both halves share it)
+    blocks: Array  # [B, L]
+    mixed_n: list[Array]  # the noisy half's causal conv per group over [clean ring | block] (`two_stream_conv`)
+    mixed_c: list[Array]  # the clean half's causal conv per group
+    tail: Array  # the clean half's conv tail
+
+
+def _halves(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, blocks: Array) -> _Halves:
+    """The two-stream mixers' common start: x [B, 2L, D] split into its (noisy, clean) halves, projected, and each
+    put through the causal conv as the inference passes run it (the noisy blocks' taps before a block read the
+    clean half)."""
     seq = x.shape[1] // 2
     xn, xc = x[:, :seq], x[:, seq:]
     valid, blocks = valid[:, seq:], blocks[:, seq:]
     pn, pc = _project(xn, w), _project(xc, w)
     mixed_c, tail = _causal_by_group(pc, w, cfg, None, valid)
     mixed_n = [two_stream_conv(_part(pn, g), _part(pc, g), _part(w.conv, g), blocks) for g in _groups(cfg)]
+    return _Halves(xn, xc, pn, pc, valid, blocks, mixed_n, mixed_c, tail)
+
+
+def _two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, blocks: Array,
+                ) -> tuple[Array, MixerState]:
+    """`mixer` over block-diffusion training's (noisy, clean) halves of x [B, 2L, D]."""
+    bd = cfg.is_bd_gdn
+    seq = x.shape[1] // 2
+    xn, xc, pn, pc, valid, blocks, mixed_n, mixed_c, tail = _halves(x, w, cfg, valid, blocks)
     if bd:
         right_c, right_n = (_by_group(right_conv, p, w.conv_right, cfg, blocks, valid, 0) for p in (pc, pn))
         mixed_c = [m + r for m, r in zip(mixed_c, right_c, strict=True)]
@@ -311,11 +334,7 @@ def _prefix_two_stream(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, vali
     before the block read clean inputs, the right conv stays inside the block, and its block softmax reads the
     clean state at the block's start."""
     seq = x.shape[1] // 2
-    xn, xc = x[:, :seq], x[:, seq:]
-    valid, blocks = valid[:, seq:], blocks[:, seq:]
-    pn, pc = _project(xn, w), _project(xc, w)
-    mixed_c, tail = _causal_by_group(pc, w, cfg, None, valid)
-    mixed_n = [two_stream_conv(_part(pn, g), _part(pc, g), _part(w.conv, g), blocks) for g in _groups(cfg)]
+    xn, xc, pn, _pc, valid, blocks, mixed_n, mixed_c, tail = _halves(x, w, cfg, valid, blocks)
     right_n = _by_group(right_conv, pn, w.conv_right, cfg, blocks, valid, 1)
     mixed_n = [m + r for m, r in zip(mixed_n, right_n, strict=True)]
     clean, noisy = _heads(mixed_c, xc, w, cfg, valid), _heads(mixed_n, xn, w, cfg, valid)
