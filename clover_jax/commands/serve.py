@@ -280,13 +280,8 @@ def engine_kwargs(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
                               "self_speculative": args.self_speculative, "prefill_rows": args.prefill_rows,
                               "prefix_cache_gb": args.prefix_cache_gb,
                               "scaffold_classes": SCAFFOLD_CLASSES if args.tool_calls == "scaffold" else 0}
-    if args.block_length is not None:
-        kwargs["block_length"] = args.block_length
-    if args.max_prompt is not None:
-        kwargs["max_prompt"] = args.max_prompt
-    if args.max_tokens is not None:
-        kwargs["max_tokens"] = args.max_tokens
-    return kwargs
+    given = {k: getattr(args, k) for k in ("block_length", "max_prompt", "max_tokens")}
+    return kwargs | {k: v for k, v in given.items() if v is not None}
 
 
 def run(args: argparse.Namespace) -> int:
