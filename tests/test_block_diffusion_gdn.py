@@ -220,3 +220,46 @@ def test_reconstruction_needs_its_tensors_and_blocks():
     with pytest.raises(ConfigError, match="bd_gdn must be one of"):
         CFG.replace(bd_gdn="softmax")
     assert params.abstract(CFG.replace(bd_gdn="none")).linear_layers.attn.conv_right.shape == (3, 3, 2, 2 * 16 + 2 * 8)
+
+
+def _updates_of(jaxpr, shapes: set) -> int:
+    """Scatters and dynamic-update-slices in `jaxpr` (its sub-jaxprs included) whose operand has one of `shapes`."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scatter", "dynamic_update_slice") and tuple(eqn.invars[0].aval.shape) in shapes:
+            n += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _updates_of(sub, shapes)
+    return n
+
+
+@pytest.mark.parametrize("reading", ["causal_prefix", "reconstructed", "none"])
+def test_a_refinement_pass_leaves_the_state_and_does_not_write_it_back(reading):
+    """A refinement pass (commit=0, the sampler's passes after a block's first) returns every Gated DeltaNet state
+    and conv tail exactly as it found them, and its program does not write them into the cache: a write of the same
+    values would still make the TPU compiler copy the whole stack of states where the pass is a branch of the
+    sampler's cond (2 GB a chip for 32 rows of Clover-35B: `clover plan` of 4K x 32 rows on a v5p-8 placed 35.1 GB
+    with the write, 31.2 GB without). The commit pass writes each state leaf (in the layers' scan)."""
+    from clover_jax.model import ModelForward
+    from clover_jax.sampler import step as denoise
+
+    cfg = get_config("test-clover-prefix").replace(bd_gdn=reading)
+    w = params.init(cfg, jax.random.key(0))
+    fwd = ModelForward(cfg, "dense")
+    b, s, bl = 2, 32, 8
+    tokens = jax.random.randint(jax.random.key(1), (b, s), 5, 200)
+    valid = jnp.ones((b, s), bool)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    blocks = pos if cfg.causal_prefix else pos // bl
+
+    def run(c, lo, width, commit):
+        return denoise.window_pass(fwd, w, cfg, tokens, valid, blocks, pos, c, lo, width, 0, bl, commit)[1]
+
+    cache = run(fwd.init_cache(b, s), 0, 2 * bl, 2 * bl)  # two blocks committed
+    after = run(cache, 2 * bl, bl, 0)
+    for was, now in zip(jax.tree.leaves(cache.linear), jax.tree.leaves(after.linear), strict=True):
+        np.testing.assert_array_equal(now, was)
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(cache.linear)}
+    count = lambda commit: _updates_of(jax.make_jaxpr(lambda c: run(c, 2 * bl, bl, commit))(cache).jaxpr, shapes)
+    assert count(0) == 0
+    assert count(bl) == len(shapes)  # each leaf once, in the scan over the group's Gated DeltaNet layers
