@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=20, help="held-out questions")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="diffusion threshold (0: one token per pass)")
+    p.add_argument("--remasking", default=None, help="the order a block is filled in (default: the model's)")
     p.add_argument("--clients", type=int, default=4, help="questions in flight at once")
     p.add_argument("--untrained", action="store_true", help="also run the loop on the model before fine-tuning "
                    "(without --train-steps: the shipped model)")
@@ -112,7 +113,10 @@ def run_loop(label: str, client: Any, port: int, model: str, held: list, stream:
 
     from examples.toy_agent import run_agent
 
-    extra = {"diffusion": {"threshold": args.threshold}} if args.threshold > 0 else {}
+    diffusion = {"threshold": args.threshold} if args.threshold > 0 else {}
+    if args.remasking:
+        diffusion["remasking"] = args.remasking
+    extra = {"diffusion": diffusion} if diffusion else {}
     (before, calls0), t0 = _counters(port), time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
         eps = list(pool.map(lambda t: run_agent(client, model, t, stream=stream, extra_body=extra), held))
