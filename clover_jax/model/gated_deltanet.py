@@ -39,6 +39,12 @@ from clover_jax.model.short_conv import causal_conv, right_conv, two_stream_conv
 Array = jax.Array
 
 
+def refines(commit: Array | int | None) -> bool:
+    """Whether a pass with this `commit` is a refinement pass: commit the Python int 0 (known when tracing), so no
+    column is final and every Gated DeltaNet state and conv tail stays as the pass found it."""
+    return isinstance(commit, int) and commit == 0
+
+
 class MixerState(NamedTuple):
     """What a Gated DeltaNet layer carries from one window to the next, per row."""
 
@@ -229,7 +235,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
     initial = None if state is None else state.recurrent
     if not bd and commit is None:
         o, recurrent = plain_rule(x.shape[1])(st.q, st.k, st.v, st.g, st.beta, initial)
-    elif bd and isinstance(commit, int) and commit == 0:
+    elif bd and refines(commit):
         # A refinement pass: nothing in the window is final, so every position's history is the state the
         # committed prefix left, and the state stays. No scan.
         recurrent = zero_state(x.shape[0], *initial_shape(cfg)) if initial is None else initial.astype(jnp.float32)
@@ -316,7 +322,7 @@ def _prefix_mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Ar
         mixed = [m + jnp.where(noisy[:, :, None], r, 0) for m, r in zip(mixed, right, strict=True)]
     st = _heads(mixed, x, w, cfg, valid)
     initial = None if state is None else state.recurrent
-    if isinstance(commit, int) and commit == 0:  # a refinement pass: nothing is clean, the state stays
+    if refines(commit):  # a refinement pass: nothing is clean, the state stays
         recurrent = zero_state(x.shape[0], *initial_shape(cfg)) if initial is None else initial.astype(jnp.float32)
         o = _preview(st, recurrent, blocks, noisy, w, cfg)
     else:  # the clean columns through the plain rule (noisy ones as padding: no decay, no write)

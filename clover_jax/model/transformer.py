@@ -171,10 +171,10 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: 
     stacked = not remat and takes_layer_stack(dispatch or cfg.moe_dispatch)
     experts = {LINEAR_ATTENTION: weights.linear_layers.mlp, FULL_ATTENTION: weights.moe_layers.mlp}
     coreset = block_coreset(win, x.shape[:2]) if cfg.moe_block_coreset else None
-    # A refinement pass (commit the Python int 0) leaves every Gated DeltaNet state and conv tail as it found
-    # them, so it does not write them back: a write of the same values would still make the compiler copy the
-    # whole stack of states (2 GB per chip for 32 rows of Clover-35B) where the pass's cache is a branch of a cond.
-    refining = isinstance(win.commit, int) and not isinstance(win.commit, bool) and win.commit == 0
+    # A refinement pass leaves every Gated DeltaNet state and conv tail as it found them, so it does not write them
+    # back: a write of the same values would still make the compiler copy the whole stack of states (2 GB per chip
+    # for 32 rows of Clover-35B) where the pass's cache is a branch of a cond.
+    refining = gated_deltanet.refines(win.commit)
 
     def per_group(stack: LayerWeights, n: int) -> LayerWeights:
         if stacked:

@@ -397,7 +397,7 @@ class Engine:
             fn, args = self._spec_todo[key]
             t0 = time.perf_counter()
             self._spec[key] = fn.lower(*args).compile()
-            del self._spec_todo[key]
+            self._spec_todo.pop(key, None)
             self._say(f"{self.describe(key)}: {time.perf_counter() - t0:.1f} s (first use)")
         return self._spec[key]
 
