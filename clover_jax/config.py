@@ -22,7 +22,7 @@ RouterKind = Literal["softmax", "sigmoid"]
 FAMILIES = ("clover", "llada2_moe", "llada_moe", "qwen3_moe", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only schemes of `model.quant`
-ATTENTION_IMPLS = ("auto", "dense", "chunked")  # how `model.layers.attend` computes (ModelConfig.attention_impl)
+ATTENTION_IMPLS = ("auto", "dense", "chunked", "splash")  # how attention layers compute (ModelConfig.attention_impl)
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"  # the two kinds of `layer_types`
 # How Gated DeltaNet layers use Clover's block-diffusion tensors (docs/model.md): causal_prefix as Clover's ports run
 # it, reconstructed (this project's earlier reading), none (ignored: the plain causal model, as llama.cpp runs it).
@@ -105,7 +105,9 @@ class ModelConfig:
     # How attention layers compute (`model.layers.attend`): "dense" holds a window's whole float32 score matrix;
     # "chunked" walks query and key chunks of `attention_chunk` columns with an online softmax (never more than
     # one chunk pair's scores); "auto" chunks a long prompt's windows (`layers.chunks_attention`: keys longer than a
-    # chunk, and queries too or all rows' scores over 8 chunk x chunk squares).
+    # chunk, and queries too or all rows' scores over 8 chunk x chunk squares) and, on a TPU, runs a causal-prefix
+    # model's prefill through splash attention (`model.splash`); "splash" does so on any backend (off TPU in
+    # Pallas' interpret mode), other windows as "auto".
     attention_impl: str = "auto"
     attention_chunk: int = 1024
     # Prompts are written into the cache in windows of `prefill_chunk` tokens over all rows (the sampler's B rows

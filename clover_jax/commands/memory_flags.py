@@ -26,9 +26,10 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     """Add --attention, --attention-chunk and --prefill-chunk (each defaults to the model's own setting) to `p`."""
     p.add_argument("--attention", choices=ATTENTION_IMPLS, default=None,
                    help="how attention layers compute: 'dense' (a window's whole score matrix at once), 'chunked' "
-                        "(query and key chunks with an online softmax: memory flat in the prompt's length) or "
-                        "'auto' (chunked for a long prompt's windows, dense for block passes); "
-                        "default: the model's (auto)")
+                        "(query and key chunks with an online softmax: memory flat in the prompt's length), "
+                        "'splash' (a causal-prefix model's prefill through TPU's splash-attention kernel; off TPU in "
+                        "Pallas' interpret mode, slow) or 'auto' (splash for that prefill on a TPU, chunked for a "
+                        "long prompt's other windows, dense for block passes); default: the model's (auto)")
     p.add_argument("--attention-chunk", type=_columns(1), default=None,
                    help="columns per query / key chunk of chunked attention (default: the model's, 1024)")
     p.add_argument("--prefill-chunk", type=_columns(0), default=None,

@@ -21,7 +21,7 @@ def chunks_attention(impl: str, rows: int, tq: int, tk: int, chunk: int) -> bool
     prefill) or the dense scores of all rows would cover more than AUTO_SCORES chunk x chunk squares (a prefill
     window narrowed by a batch's rows against a long cache: 8 rows x 512 columns x 32K keys). A block pass (32-64
     queries) stays dense up to 128K keys at one row."""
-    if impl != "auto":
+    if impl not in ("auto", "splash"):  # "splash": as "auto" for the windows splash attention does not take
         return impl == "chunked"
     return tk > chunk and (tq > chunk or rows * tq * tk > AUTO_SCORES * chunk * chunk)
 

@@ -110,13 +110,19 @@ def attention_mask(q_valid: Array, q_block: Array, k_valid: Array, k_block: Arra
 class BlockMask:
     """`attention_mask(q_valid, q_block, k_valid, k_block, block_causal)` unevaluated (a pytree: the four [B, T]
     vectors are its leaves): `full()` builds the [B, Tq, Tk] mask, `rows` / `cols` narrow it to a query or key
-    range, so a chunked attention builds one chunk of it at a time."""
+    range, so a chunked attention builds one chunk of it at a time.
+
+    `causal` is the builder's promise that, for every valid query, the mask is "valid keys at columns <= the
+    query's own" (its column in the cache when there is one): clean text of a causal-prefix model, whose block ids
+    are positions, and nothing after the window valid and earlier. Attention may then run through a causal kernel
+    (`model.splash`); the vectors still give the same mask. A narrowed mask (`rows`, `cols`) makes no promise."""
 
     q_valid: Array
     q_block: Array
     k_valid: Array
     k_block: Array
     block_causal: bool
+    causal: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -139,7 +145,7 @@ class BlockMask:
 
 
 jax.tree_util.register_dataclass(BlockMask, data_fields=["q_valid", "q_block", "k_valid", "k_block"],
-                                 meta_fields=["block_causal"])
+                                 meta_fields=["block_causal", "causal"])
 
 
 def full_mask(cfg: ModelConfig, valid: Array, blocks: Array | None = None) -> Array:
@@ -148,6 +154,13 @@ def full_mask(cfg: ModelConfig, valid: Array, blocks: Array | None = None) -> Ar
     if blocks is None:
         blocks = clean_block_ids(cfg, positions(valid))
     return attention_mask(valid, blocks, valid, blocks, cfg.is_block_causal)
+
+
+def clean_mask(cfg: ModelConfig, valid: Array) -> BlockMask:
+    """`full_mask(cfg, valid)` unevaluated (built where attention reads it); a causal-prefix model's carries the
+    causal promise (`BlockMask.causal`), so its attention may run through a causal kernel."""
+    blocks = clean_block_ids(cfg, positions(valid))
+    return BlockMask(valid, blocks, valid, blocks, cfg.is_block_causal, cfg.causal_prefix)
 
 
 def block_diffusion_mask(valid: Array, blocks: Array, causal_clean: bool = False) -> Array:

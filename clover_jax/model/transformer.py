@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from clover_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from clover_jax.mesh.rules import MeshRules, constrain
-from clover_jax.model import gated_deltanet, layers, masks, quant
+from clover_jax.model import gated_deltanet, layers, masks, quant, splash
 from clover_jax.model.cache import KVCache
 from clover_jax.model.moe import MoEStats, moe_block, takes_layer_stack
 from clover_jax.model.moe.routing import Coreset
@@ -56,9 +56,15 @@ def _layer(
         at = (i, 0, cache_offset, 0, 0)
         k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
         v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+        fresh = (k.astype(k_all.dtype), v.astype(v_all.dtype))  # the window's K/V as the cache holds them
         k, v = k_all[i], v_all[i]
         kv = (k_all, v_all)
-    attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, cfg.attention_impl, cfg.attention_chunk)
+    if isinstance(mask, masks.BlockMask) and splash.applies(cfg.attention_impl, mask.causal, *q.shape[1::2], mesh):
+        own_k, own_v = fresh if kv is not None else (k, v)
+        cache = (k.astype(q.dtype), v.astype(q.dtype), mask.k_valid, cache_offset) if kv is not None else None
+        attn = splash.causal_attention(q, own_k.astype(q.dtype), own_v.astype(q.dtype), mask.q_valid, cache, mesh)
+    else:
+        attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, cfg.attention_impl, cfg.attention_chunk)
     x = x + layers.output_projection(h, attn, w.attn, cfg)
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
@@ -254,8 +260,8 @@ def forward(
     """Logits for `tokens` [B, W]; `forward(weights, cfg, tokens).logits` for an unpadded batch.
 
     positions: [B, W] rotary positions (default: counted over the real columns of `valid`, 0..W-1 when
-    `valid` is None). mask: [B, W, S] bool (S = W without a cache, else the cache length; default
-    `masks.full_mask` of `valid`, or of an unpadded batch; a default needs no cache). So
+    `valid` is None). mask: [B, W, S] bool or a `masks.BlockMask` (S = W without a cache, else the cache length;
+    default `masks.clean_mask` of `valid`, or of an unpadded batch; a default needs no cache). So
     `forward(weights, cfg, tokens, valid=valid)` is the padded batch's answer, left padding included.
     logits_start / logits_len: compute the LM head only for that window of the W positions.
     dispatch: the MoE dispatch strategy (default the config's). mesh: shard activations and the
@@ -273,7 +279,7 @@ def forward(
             raise ValueError("forward with a cache needs explicit positions and mask")
         real = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
         positions = masks.positions(real) if positions is None else positions
-        mask = masks.full_mask(cfg, real) if mask is None else mask
+        mask = masks.clean_mask(cfg, real) if mask is None else mask
     x = weights.embed[tokens].astype(jnp.dtype(cfg.dtype))
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     offset = jnp.asarray(cache_offset, jnp.int32)
@@ -306,5 +312,5 @@ def apply(weights: Weights, cfg: ModelConfig, tokens: Array, valid: Array | None
     """Logits [B, T, V] for whole sequences [B, T] (left or right padding marked by `valid`)."""
     if valid is None:
         valid = jnp.ones(tokens.shape, bool)
-    return forward(weights, cfg, tokens, masks.positions(valid), masks.full_mask(cfg, valid), dispatch=dispatch,
+    return forward(weights, cfg, tokens, masks.positions(valid), masks.clean_mask(cfg, valid), dispatch=dispatch,
                    mesh=mesh, valid=valid).logits

@@ -183,14 +183,15 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         return jnp.concatenate([cv, jnp.where(is_prompt, mask_id, cv)], axis=0)  # unconditional: prompt masked
 
     def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int,
-             commit: Array | int | None = None, noisy_from: Array | int | None = None, logits_len: int = bl
-             ) -> tuple[Array, Any]:
+             commit: Array | int | None = None, noisy_from: Array | int | None = None, logits_len: int = bl,
+             prefill: bool = False) -> tuple[Array, Any]:
         """The model on canvas columns [lo, lo + width), logits of `logits_len` of them; `noisy_from`: the column
         of the block being denoised (the block ids follow it for a causal-prefix model; None: the window is all
-        clean, a prefill)."""
+        clean, a prefill); `prefill`: the window is the prompt's (causal in columns for a causal-prefix model)."""
         ids = ids_r if noisy_from is None else ids_at(noisy_from)
         logits, cache = denoise.window_pass(forward_fn, weights, cfg, model_rows(cv), valid_r, ids, pos_r, cache,
-                                            lo, width, logits_start, logits_len, commit)
+                                            lo, width, logits_start, logits_len, commit,
+                                            causal=prefill and cfg.causal_prefix)
         if spec.guidance:
             logits = guide(logits[:b], logits[b:], knobs.cfg_scale)
         return logits, cache
@@ -269,7 +270,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         if spec.mesh is not None and isinstance(cache, kv_cache.KVCache):  # placed as the server and the plan do
             cache = jax.lax.with_sharding_constraint(cache, kv_cache.shardings(cache, spec.mesh))
         if not bidir:  # block-causal: the prompt's K/V never change, encode them once (in windows: `prefill`)
-            window = lambda c, lo, w: call(canvas, c, lo, w, 0, noisy_from=p, logits_len=1)[1]
+            window = lambda c, lo, w: call(canvas, c, lo, w, 0, noisy_from=p, logits_len=1, prefill=True)[1]
             cache = denoise.prefill(window, cache, 0, p, denoise.prefill_columns(cfg, spec.model_rows),
                                     denoise.prefill_overlap(cfg, prompt_block))
             nfe = jnp.int32(1)

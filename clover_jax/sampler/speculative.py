@@ -96,16 +96,16 @@ def run_speculative(spec: Any, forward_fn: ForwardFn, weights: Any, prompt: Arra
         return jnp.where(col[None] < noisy_from, positions, big + (col[None] >= noisy_from + bl))
 
     def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int, logits_len: int,
-             commit: Array | int | None, noisy_from: Array | int) -> tuple[Array, Any]:
+             commit: Array | int | None, noisy_from: Array | int, prefill: bool = False) -> tuple[Array, Any]:
         return denoise.window_pass(forward_fn, weights, cfg, cv, valid, ids(noisy_from), positions, cache, lo, width,
-                                   logits_start, logits_len, commit)
+                                   logits_start, logits_len, commit, causal=prefill)
 
     stem, prefilled = None, jnp.int32(1 if p > 1 else 0)
     if reuse is None:
         cache = forward_fn.init_cache(1, s)
         if p > 1:  # the prompt but its last token, causally: that token is the first round's known one
-            cache = denoise.prefill(lambda c, lo, w: call(canvas, c, lo, w, 0, 1, None, p - 1)[1], cache, 0, p - 1,
-                                    denoise.prefill_columns(cfg, 1), 0)
+            window = lambda c, lo, w: call(canvas, c, lo, w, 0, 1, None, p - 1, True)[1]
+            cache = denoise.prefill(window, cache, 0, p - 1, denoise.prefill_columns(cfg, 1), 0)
     else:
         cache, stem = _prefill_reusing(forward_fn, weights, cfg, canvas, positions, first, p, bl, reuse)
         prefilled = (first + reuse.saved_len < p - 1).astype(jnp.int32)  # a pass ran (counted as one, as above)
@@ -203,7 +203,8 @@ def _prefill_reusing(forward_fn: ForwardFn, weights: Any, cfg: Any, canvas: Arra
 
         def window(st: tuple[Any, Array]) -> tuple[Any, Array]:
             c, at = st
-            return denoise.window_pass(forward_fn, weights, cfg, cv, valid, pos, pos, c, at, width, 0, 1)[1], at + width
+            return (denoise.window_pass(forward_fn, weights, cfg, cv, valid, pos, pos, c, at, width, 0, 1,
+                                        causal=True)[1], at + width)
 
         return jax.lax.while_loop(lambda st: st[1] < hi, window, (cache, lo))[0]
 
