@@ -35,8 +35,10 @@ def _close_on_valid(out, ref, q_valid, atol=1e-5):
     np.testing.assert_allclose(np.where(keep, np.asarray(out), 0), np.where(keep, np.asarray(ref), 0), atol=atol)
 
 
-@pytest.mark.parametrize("offset, width", [(0, 256), (256, 200), (384, 256)])
-def test_a_window_over_a_cache_equals_the_dense_form(offset, width):
+@pytest.mark.parametrize("segment", [128, splash.CACHE_SEGMENT])  # the cache read in 128-column segments, or whole
+@pytest.mark.parametrize("offset, width", [(0, 256), (256, 200), (200, 160), (384, 256)])
+def test_a_window_over_a_cache_equals_the_dense_form(offset, width, segment, monkeypatch):
+    monkeypatch.setattr(splash, "CACHE_SEGMENT", segment)
     r, valid, pos, kc, vc = _rows()
     q = jnp.asarray(r.standard_normal((B, width, H, HD)), jnp.float32)
     q_valid = valid[:, offset:offset + width]

@@ -7,10 +7,11 @@ windows), so it runs as two kernel calls whose softmaxes are merged by their log
 
     the window's own keys   the window's fresh K/V, static `CausalMask` (key column <= query column), segment ids
                             from validity (a padding query sees padding keys only, so no row is empty)
-    the cache before it     the cache's S columns, `FullMask`, segment ids: a key counts when it is valid and
-                            before `offset` (the first window has none: that half then weighs exactly nothing)
+    the cache before it     the cache in segments of CACHE_SEGMENT columns, as many as cover `offset` (a loop of
+                            traced length: the first window reads none), `FullMask`, segment ids: a key counts when
+                            it is valid and before `offset`
 
-which equals one softmax over both (what `layers.attend` computes from the mask). Lengths are padded to the
+which equals one softmax over all (what `layers.attend` computes from the mask). Lengths are padded to the
 kernel's blocks (queries and keys at the end, in segments no real query shares). Rows and KV heads are mapped
 over (`vmap`); the H / K query heads of a KV head are the kernel's heads (its MQA form). On a mesh the kernel runs
 under `shard_map` (Mosaic kernels are not partitioned by the compiler): rows over the batch axes, heads over the
@@ -24,6 +25,7 @@ denoised) stay with `layers.attend`.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,7 @@ Array = jax.Array
 
 MIN_QUERIES = 128  # a narrower window (a block pass) stays with `layers.attend`: a kernel block of mostly padding
 MAX_BLOCK = 512  # the kernel's query / key block (MaxText's default for prefill)
+CACHE_SEGMENT = 8192  # columns of the cache a window reads in one kernel call
 
 
 def platform(mesh: MeshRules | None) -> str:
@@ -101,19 +104,30 @@ def _local(q: Array, k: Array, v: Array, q_valid: Array, k_cache: Array | None, 
 
     own, own_lse = run(kmask.CausalMask((tp, tp)), qs, heads(k), heads(v), seg, seg, sizes)
     if with_lse:
+        # The cache before the window, CACHE_SEGMENT columns at a time, only as many segments as cover `offset`
+        # (a loop of traced length): a prefill's windows read about half the keys a full read would.
         s = k_cache.shape[1]
-        sb = _block(s)
-        sp = -(-s // sb) * sb
-        before = cache_valid & (jnp.arange(s)[None] < offset)
-        k_seg = _pad(before.astype(jnp.int32), sp, 1)
+        seg_cols = min(CACHE_SEGMENT, -(-s // 128) * 128)
+        sb = 128 * math.gcd(seg_cols // 128, MAX_BLOCK // 128)  # the largest kernel block that divides a segment
+        sp = -(-s // seg_cols) * seg_cols
+        kh, vh = _pad(heads(k_cache), sp, 2), _pad(heads(v_cache), sp, 2)
+        before = _pad((cache_valid & (jnp.arange(s)[None] < offset)).astype(jnp.int32), sp, 1)
         q_seg = jnp.ones((b, tp), jnp.int32)
         csizes = kernel.BlockSizes(block_q=blk, block_kv=sb, block_kv_compute=sb)
-        old, old_lse = run(kmask.FullMask((tp, sp)), qs, _pad(heads(k_cache), sp, 2), _pad(heads(v_cache), sp, 2),
-                           q_seg, k_seg, csizes)
-        top = jnp.maximum(own_lse, old_lse)
-        w_own, w_old = jnp.exp(own_lse - top), jnp.exp(old_lse - top)
-        out = (own.astype(jnp.float32) * w_own[..., None] + old.astype(jnp.float32) * w_old[..., None])
-        own = (out / (w_own + w_old)[..., None]).astype(q.dtype)
+
+        def segment(i: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+            cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, i * seg_cols, seg_cols, axis=axis)
+            old, old_lse = run(kmask.FullMask((tp, seg_cols)), qs, cut(kh, 2), cut(vh, 2), q_seg, cut(before, 1),
+                               csizes)
+            out, lse = acc
+            top = jnp.maximum(lse, old_lse)
+            w, w_old = jnp.exp(lse - top), jnp.exp(old_lse - top)
+            out = (out * w[..., None] + old.astype(jnp.float32) * w_old[..., None]) / (w + w_old)[..., None]
+            return out, top + jnp.log(w + w_old)
+
+        n = (jnp.asarray(offset, jnp.int32) + seg_cols - 1) // seg_cols
+        own, _ = jax.lax.fori_loop(0, n, segment, (own.astype(jnp.float32), own_lse))
+        own = own.astype(q.dtype)
     return own[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
 
 
