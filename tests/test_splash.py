@@ -158,3 +158,24 @@ def test_it_compiles_for_a_tpu_topology_as_a_mosaic_kernel(tmp_path):
     assert "tpu_custom_call" in text  # the Mosaic kernel, not an XLA fallback
     # no [T, S] scores are held: temporaries far below one float32 score matrix of a chip's rows and heads
     assert compiled.memory_analysis().temp_size_in_bytes < 1 * 4 * t * s * 4 / 4
+
+
+def test_the_server_prefills_through_the_kernel_with_the_same_tokens(monkeypatch):
+    from clover_jax.serving.engine import Engine
+    from clover_jax.serving.requests import Request
+    from tests.engine_requests import serve, tokens
+
+    r = np.random.default_rng(6)
+    prompts = [r.integers(4, 200, 150).tolist(), r.integers(4, 200, 131).tolist()]
+
+    def run(impl):
+        cfg, weights = _model(2)
+        eng = Engine(weights, cfg.replace(attention_impl=impl), block_length=8, max_prompt=160, max_tokens=16,
+                     batch_sizes=(2,))
+        events = serve(eng, [Request(tuple(p), 16, SamplerConfig(eos_stop=False)) for p in prompts], drain=True)
+        return [tokens(e) for e in events]
+
+    dense = run("dense")
+    counted = _Counted(monkeypatch)
+    kernel = run("splash")
+    assert counted.calls > 0 and kernel == dense and all(len(t) == 16 for t in dense)
