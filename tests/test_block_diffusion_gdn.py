@@ -15,7 +15,7 @@ from clover_jax.config import get_config
 from clover_jax.errors import ConfigError
 from clover_jax.model import delta_rule as dr
 from clover_jax.model import gated_deltanet as gdn
-from clover_jax.model import params, transformer
+from clover_jax.model import masks, params, transformer
 from clover_jax.training import losses
 
 CFG = get_config("test-clover-hybrid")  # blocks of 8, 2 key / 4 value heads, right conv of 3 taps
@@ -263,3 +263,37 @@ def test_a_refinement_pass_leaves_the_state_and_does_not_write_it_back(reading):
     count = lambda commit: _updates_of(jax.make_jaxpr(lambda c: run(c, 2 * bl, bl, commit))(cache).jaxpr, shapes)
     assert count(0) == 0
     assert count(bl) == len(shapes)  # each leaf once, in the scan over the group's Gated DeltaNet layers
+
+
+@pytest.mark.parametrize("attention", ["dense", "chunked"])
+def test_a_refinement_pass_attends_to_its_block_without_writing_its_kv(attention):
+    """A refinement pass does not write its block's K/V into the cache (the same TPU copy as above, of the K/V stack:
+    2 x 1.4 GB a chip for 32 rows of Clover-35B at 4K): it attends to the cache without the block's columns and to
+    the block's own K/V as one softmax, which gives the logits of writing them and attending to the cache (a
+    traced commit of 0: the same pass, through the write)."""
+    from clover_jax.model import ModelForward
+    from clover_jax.sampler import step as denoise
+
+    cfg = get_config("test-clover-prefix").replace(attention_impl=attention, attention_chunk=8)
+    w = params.init(cfg, jax.random.key(0))
+    fwd = ModelForward(cfg, "dense")
+    b, s, bl = 2, 40, 8
+    tokens = jax.random.randint(jax.random.key(1), (b, s), 5, 200)
+    valid = jnp.asarray(np.arange(s)[None] >= np.array([[0], [5]]))  # the second row left-padded
+    pos = masks.positions(valid)
+    blocks = masks.prefix_canvas_ids(pos, 3 * bl, 0, bl)  # columns before 24 clean, then blocks of 8
+
+    def run(c, lo, width, commit):
+        return denoise.window_pass(fwd, w, cfg, tokens, valid, blocks, pos, c, lo, width, 0, bl, commit)
+
+    _, cache = run(fwd.init_cache(b, s), 0, 3 * bl, 3 * bl)  # three blocks committed
+    _, cache = run(cache, 3 * bl, bl, jnp.int32(0))  # the block's first pass wrote its K/V (stale now)
+    tokens = tokens.at[:, 3 * bl:4 * bl].set(jax.random.randint(jax.random.key(2), (b, bl), 5, 200))
+    logits, after = run(cache, 3 * bl, bl, 0)
+    written, _ = run(cache, 3 * bl, bl, jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(written), atol=2e-5, rtol=1e-5)
+    for was, now in zip((cache.moe_k, cache.moe_v), (after.moe_k, after.moe_v), strict=True):
+        np.testing.assert_array_equal(now, was)
+    shapes = {tuple(cache.moe_k.shape)}
+    count = lambda commit: _updates_of(jax.make_jaxpr(lambda c: run(c, 3 * bl, bl, commit)[1])(cache).jaxpr, shapes)
+    assert count(0) == 0 and count(bl) == 2  # the commit pass writes K and V

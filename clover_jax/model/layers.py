@@ -115,14 +115,62 @@ def attend(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, impl: st
     return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, hd)
 
 
-def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, chunk: int) -> Array:
+def _grouped(q: Array, kv: int) -> Array:
+    """q [B, Tq, H, hd] -> [B, K, H/K * Tq, hd]: the query heads that share a KV head stacked along the queries."""
+    b, tq, h, hd = q.shape
+    return q.reshape(b, tq, kv, h // kv, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, h // kv * tq, hd)
+
+
+def _ungrouped(x: Array, tq: int) -> Array:
+    """[B, K, H/K * Tq, ...] -> [B, Tq, H, ...] (`_grouped`'s inverse; a trailing axis or none)."""
+    b, kv, gq = x.shape[:3]
+    g = gq // tq
+    x = x.reshape(b, kv, g, tq, *x.shape[3:])
+    return jnp.moveaxis(x, 3, 1).reshape(b, tq, kv * g, *x.shape[4:])
+
+
+def attend_with_lse(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, impl: str = "dense",
+                    chunk: int = 1024) -> tuple[Array, Array]:
+    """`attend`, and the log-sum-exp of each query's scores [B, Tq, H] float32 (a query that sees no key: about
+    NEG_INF, so a merge gives it no weight): what `attend_split` merges. Dense or chunked as `attend` chooses;
+    the output is float32."""
+    if chunks_attention(impl, q.shape[0], q.shape[1], k.shape[1], chunk):
+        return attend_chunked(q, k, v, mask, chunk, with_lse=True)
+    if isinstance(mask, masks.BlockMask):
+        mask = mask.full()
+    b, tq, h, hd = q.shape
+    kv = k.shape[2]
+    scores = jnp.einsum("bkqd,bskd->bkqs", _grouped(q, kv), k, preferred_element_type=jnp.float32) * (hd**-0.5)
+    scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, h // kv, tq, -1), NEG_INF)
+    scores = scores.reshape(b, kv, h // kv * tq, -1)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    out = jnp.einsum("bkqs,bskd->bkqd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    return _ungrouped(out, tq), _ungrouped(lse, tq)
+
+
+def attend_split(q: Array, parts: tuple[tuple[Array, Array, Array | masks.BlockMask], ...], impl: str = "dense",
+                 chunk: int = 1024) -> Array:
+    """`attend` over the union of several key sets, each (k, v, mask), as one softmax: each part's output and
+    log-sum-exp (`attend_with_lse`), merged. Equal to `attend` over the keys side by side up to float32 rounding,
+    without putting them side by side: a refinement pass attends to the cache and to its block's own K/V without
+    writing them into the cache (`transformer._layer`). -> [B, Tq, H, hd] in q's dtype."""
+    outs = [attend_with_lse(q, k, v, m, impl, chunk) for k, v, m in parts]
+    top = jnp.max(jnp.stack([lse for _, lse in outs]), axis=0)
+    weights = [jnp.exp(lse - top)[..., None] for _, lse in outs]
+    total = sum(o * w for (o, _), w in zip(outs, weights, strict=True))
+    return (total / sum(weights)).astype(q.dtype)
+
+
+def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, chunk: int, with_lse: bool = False
+                   ) -> Array | tuple[Array, Array]:
     """`attend` by query chunks (one after another) and, within each, key chunks with an online softmax (a
     running max, denominator and weighted sum per query, rescaled as each key chunk arrives): the scores held at
     once are [B, H, chunk, chunk], whatever Tq and Tk, and the chunks are read in place (q, k, v and the mask are
     never copied whole; a `masks.BlockMask` is built one chunk at a time). Equal to the dense form up to float32
     rounding. A length that is not a whole number of chunks ends with a chunk shifted back to fit: its keys
     already counted weigh exactly nothing (scored below any masked key), its queries already computed are
-    written again with the same values."""
+    written again with the same values. `with_lse`: (the output in float32, each query's log-sum-exp [B, Tq, H]), as
+    `attend_with_lse`."""
     b, tq, h, hd = q.shape
     tk, kv = k.shape[1], k.shape[2]
     g = h // kv
@@ -155,10 +203,17 @@ def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, 
 
         init = (jnp.full((b, kv, g * cq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g * cq), jnp.float32),
                 jnp.zeros((b, kv, g * cq, hd), jnp.float32))
-        (_, denom, acc), _ = jax.lax.scan(one_key_chunk, init, jnp.arange(nk))
-        oc = (acc / denom[..., None]).astype(out.dtype).reshape(b, kv, g, cq, hd).transpose(0, 3, 1, 2, 4)
-        return jax.lax.dynamic_update_slice_in_dim(out, oc.reshape(b, cq, h, hd), q0, axis=1)
+        (m, denom, acc), _ = jax.lax.scan(one_key_chunk, init, jnp.arange(nk))
+        oc = (acc / denom[..., None]).astype(out[0].dtype if with_lse else out.dtype)
+        oc = oc.reshape(b, kv, g, cq, hd).transpose(0, 3, 1, 2, 4).reshape(b, cq, h, hd)
+        if not with_lse:
+            return jax.lax.dynamic_update_slice_in_dim(out, oc, q0, axis=1)
+        lse = _ungrouped(m + jnp.log(denom), cq)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, q0, axis=1) for a, x in zip(out, (oc, lse), strict=True))
 
+    if with_lse:
+        init = (jnp.zeros((b, tq, h, hd), jnp.float32), jnp.zeros((b, tq, h), jnp.float32))
+        return jax.lax.fori_loop(0, nq, one_query_chunk, init)
     return jax.lax.fori_loop(0, nq, one_query_chunk, jnp.zeros((b, tq, h, hd), v.dtype))
 
 

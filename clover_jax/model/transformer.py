@@ -44,11 +44,27 @@ class ForwardOut(NamedTuple):
 def _layer(
     x: Array, w: LayerWeights, positions: Array, mask: Array, kv: tuple[Array, Array, Array] | None,
     cache_offset: Array, cfg: ModelConfig, is_moe: bool, dispatch: str | None, mesh: MeshRules | None,
-    layer: Array | None = None, coreset: Coreset | None = None,
+    layer: Array | None = None, coreset: Coreset | None = None, refining: bool = False,
 ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
-    """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None."""
+    """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None. `refining`: a
+    refinement pass (`gated_deltanet.refines`) whose window's K/V nothing reads after it: they are not written into
+    the cache; the window attends to the cache without its own columns and to its own K/V, as one softmax
+    (`layers.attend_split`). Where that pass is a branch of the sampler's cond, a write would make the compiler copy
+    the whole K/V stack (2 x 1.4 GB a chip for 32 rows of Clover-35B at 4K)."""
     h = layers.norm(x, w.attn_norm, cfg)
     q, k, v = layers.project_qkv(h, w.attn, positions, cfg)
+    if kv is not None and refining and isinstance(mask, masks.BlockMask):
+        k_all, v_all, i = kv
+        width = q.shape[1]
+        col = jnp.arange(mask.k_valid.shape[1])[None]
+        elsewhere = (col < cache_offset) | (col >= cache_offset + width)
+        cached = masks.BlockMask(mask.q_valid, mask.q_block, mask.k_valid & elsewhere, mask.k_block, mask.block_causal)
+        as_cached = lambda a, c: a.astype(c.dtype).astype(q.dtype)  # the values a write and a read would give
+        own = (as_cached(k, k_all), as_cached(v, v_all), mask.cols(cache_offset, width))
+        attn = layers.attend_split(q, ((k_all[i].astype(q.dtype), v_all[i].astype(q.dtype), cached), own),
+                                   cfg.attention_impl, cfg.attention_chunk)
+        x = x + layers.output_projection(h, attn, w.attn, cfg)
+        return _mlp(x, w, cfg, is_moe, dispatch, layer, mesh, coreset, (k_all, v_all))
     if kv is not None:
         # Write only this window into the stack-wide cache (in place in the scan carry), then read
         # this layer's columns back for attention.
@@ -66,6 +82,13 @@ def _layer(
     else:
         attn = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, cfg.attention_impl, cfg.attention_chunk)
     x = x + layers.output_projection(h, attn, w.attn, cfg)
+    return _mlp(x, w, cfg, is_moe, dispatch, layer, mesh, coreset, kv)
+
+
+def _mlp(x: Array, w: LayerWeights, cfg: ModelConfig, is_moe: bool, dispatch: str | None, layer: Array | None,
+         mesh: MeshRules | None, coreset: Coreset | None, kv: tuple[Array, Array] | None
+         ) -> tuple[Array, tuple[Array, Array] | None, MoEStats | None]:
+    """The rest of `_layer` after attention's residual: the MLP (MoE or dense) and its residual."""
     x = constrain(x, ("batch", "seq", "embed"), mesh)
     h = layers.norm(x, w.mlp_norm, cfg)
     if is_moe:
@@ -201,7 +224,8 @@ def _run_hybrid(x: Array, weights: Weights, positions: Array, mask: Array, win: 
                 c = c.replace(linear=jax.tree.map(lambda a, s: a.at[index].set(s.astype(a.dtype)), c.linear, state))
             return x, c, st
         kv = None if c is None else (c.moe_k, c.moe_v, index)
-        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer, coreset)
+        x, kv, st = _layer(x, w, positions, mask, kv, cache_offset, cfg, True, dispatch, mesh, layer, coreset,
+                           refining)
         if c is not None:
             c = c.replace(moe_k=kv[0], moe_v=kv[1])
         return x, c, st
