@@ -130,9 +130,9 @@ def test_the_flags_reach_the_model_and_keep_the_text(capsys, monkeypatch):
     chunks = []  # the chunk sizes chunked attention was traced with
     real = layers.attend_chunked
 
-    def counted(q, k, v, mask, chunk):
+    def counted(q, k, v, mask, chunk, **kw):
         chunks.append(chunk)
-        return real(q, k, v, mask, chunk)
+        return real(q, k, v, mask, chunk, **kw)
 
     monkeypatch.setattr(layers, "attend_chunked", counted)
     texts = []

@@ -144,21 +144,31 @@ def attend_with_lse(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask,
     scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, h // kv, tq, -1), NEG_INF)
     scores = scores.reshape(b, kv, h // kv * tq, -1)
     lse = jax.nn.logsumexp(scores, axis=-1)
-    out = jnp.einsum("bkqs,bskd->bkqd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # as `attend` does
+    out = jnp.einsum("bkqs,bskd->bkqd", probs, v, preferred_element_type=jnp.float32)
     return _ungrouped(out, tq), _ungrouped(lse, tq)
+
+
+def merge_lse(parts: list[tuple[Array, Array]]) -> tuple[Array, Array]:
+    """One softmax from its parts over disjoint key sets: each (output [..., hd] float32, log-sum-exp [...]) ->
+    (the output over all their keys, its log-sum-exp). A part whose queries saw no key (log-sum-exp about NEG_INF
+    or below) weighs nothing beside one that saw some."""
+    top = jnp.max(jnp.stack([lse for _, lse in parts]), axis=0)
+    weights = [jnp.exp(lse - top) for _, lse in parts]
+    total = sum(weights)
+    out = sum(o * w[..., None] for (o, _), w in zip(parts, weights, strict=True)) / total[..., None]
+    return out, top + jnp.log(total)
 
 
 def attend_split(q: Array, parts: tuple[tuple[Array, Array, Array | masks.BlockMask], ...], impl: str = "dense",
                  chunk: int = 1024) -> Array:
     """`attend` over the union of several key sets, each (k, v, mask), as one softmax: each part's output and
-    log-sum-exp (`attend_with_lse`), merged. Equal to `attend` over the keys side by side up to float32 rounding,
+    log-sum-exp (`attend_with_lse`), merged (`merge_lse`). Equal to `attend` over the keys side by side up to
+    rounding,
     without putting them side by side: a refinement pass attends to the cache and to its block's own K/V without
     writing them into the cache (`transformer._layer`). -> [B, Tq, H, hd] in q's dtype."""
-    outs = [attend_with_lse(q, k, v, m, impl, chunk) for k, v, m in parts]
-    top = jnp.max(jnp.stack([lse for _, lse in outs]), axis=0)
-    weights = [jnp.exp(lse - top)[..., None] for _, lse in outs]
-    total = sum(o * w for (o, _), w in zip(outs, weights, strict=True))
-    return (total / sum(weights)).astype(q.dtype)
+    out, _ = merge_lse([attend_with_lse(q, k, v, m, impl, chunk) for k, v, m in parts])
+    return out.astype(q.dtype)
 
 
 def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, chunk: int, with_lse: bool = False

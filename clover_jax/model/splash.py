@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec
 
 from clover_jax.errors import ShardingError
 from clover_jax.mesh.rules import MeshRules
+from clover_jax.model import layers
 
 Array = jax.Array
 
@@ -52,14 +53,45 @@ def platform(mesh: MeshRules | None) -> str:
     return jax.default_backend()
 
 
-def applies(impl: str, causal: bool, queries: int, head_dim: int, mesh: MeshRules | None) -> bool:
-    """Whether a window of `queries` query columns runs through splash attention: its mask is causal in columns,
-    the window is a prefill's (at least MIN_QUERIES wide), and `impl` (ModelConfig.attention_impl) is "splash",
-    or "auto" on a TPU with heads of a whole number of the kernel's 128 lanes (Clover's 256; a small model's
-    narrower heads stay with XLA unless "splash" is asked for)."""
+def _specs(mesh: MeshRules) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+    """The shard_map specs of q [B, W, H, hd], k / v [B, *, K, hd] and [B, *] vectors on `mesh`."""
+    return (mesh.spec(("batch", None, "q_heads", None)), mesh.spec(("batch", None, "kv_heads", None)),
+            mesh.spec(("batch", None)))
+
+
+def _divides(mesh: MeshRules, spec: PartitionSpec, shape: tuple[int, ...]) -> bool:
+    """Whether every axis of `shape` is a whole number of shards under `spec` (shard_map takes no uneven shards)."""
+    for n, axes in zip(shape, spec, strict=False):
+        shards = 1
+        for a in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
+            shards *= mesh.size(a)
+        if n % shards:
+            return False
+    return True
+
+
+def applies(impl: str, causal: bool, q_shape: tuple[int, ...], kv_heads: int, mesh: MeshRules | None) -> bool:
+    """Whether a window's attention (q_shape [B, W, H, hd], `kv_heads` K) runs through splash attention: its mask is
+    causal in columns, the window is a prefill's (at least MIN_QUERIES wide), `impl` (ModelConfig.attention_impl)
+    is "splash", or "auto" on a TPU with heads of a whole number of the kernel's 128 lanes (Clover's 256; a small
+    model's narrower heads stay with XLA unless "splash" is asked for), and on a mesh its rows and heads split
+    evenly (shard_map takes no uneven shards: the server's one-row admissions on a mesh with a data axis stay with
+    XLA). Rules that put query and KV heads on different mesh axes: "auto" stays with XLA, "splash" is a
+    ShardingError."""
+    b, queries, h, hd = q_shape
     if not causal or queries < MIN_QUERIES:
         return False
-    return impl == "splash" or (impl == "auto" and platform(mesh) == "tpu" and head_dim % 128 == 0)
+    if not (impl == "splash" or (impl == "auto" and platform(mesh) == "tpu" and hd % 128 == 0)):
+        return False
+    if mesh is None:
+        return True
+    q_spec, kv_spec, _ = _specs(mesh)
+    if q_spec[2] != kv_spec[2]:
+        if impl == "splash":
+            raise ShardingError(f"splash attention needs query and KV heads on the same mesh axes; the rules put "
+                                f"them on {q_spec[2]!r} and {kv_spec[2]!r} (use --attention chunked)")
+        return False
+    return _divides(mesh, q_spec, (b, queries, h, hd)) and _divides(mesh, kv_spec, (b, queries, kv_heads, hd))
 
 
 def _block(n: int) -> int:
@@ -83,7 +115,8 @@ def _local(q: Array, k: Array, v: Array, q_valid: Array, k_cache: Array | None, 
     tp = -(-t // blk) * blk
     sizes = kernel.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk, block_q_dkv=blk, block_kv_dkv=blk,
                               block_kv_dkv_compute=blk, block_q_dq=blk, block_kv_dq=blk)
-    # [b, kvh, g, tp, hd]: the g query heads of a KV head are the kernel's heads; scaled here (the kernel does not).
+    # [b, kvh, g, tp, hd]: the g query heads of a KV head are the kernel's heads; scaled here, in q's dtype (the
+    # kernel does not scale; exact for a head_dim that is a power of 4, such as Clover's 256).
     qs = (q * jnp.asarray(hd**-0.5, q.dtype)).reshape(b, t, kvh, g, hd).transpose(0, 2, 3, 1, 4)
     qs = _pad(qs, tp, 3)
     heads = lambda x: _pad(x.transpose(0, 2, 1, 3), tp, 2)  # [b, T, K, hd] -> [b, K, tp, hd]
@@ -105,25 +138,29 @@ def _local(q: Array, k: Array, v: Array, q_valid: Array, k_cache: Array | None, 
     own, own_lse = run(kmask.CausalMask((tp, tp)), qs, heads(k), heads(v), seg, seg, sizes)
     if with_lse:
         # The cache before the window, CACHE_SEGMENT columns at a time, only as many segments as cover `offset`
-        # (a loop of traced length): a prefill's windows read about half the keys a full read would.
+        # (a loop of traced length; for a cache longer than a segment, a prefill's windows read about half the keys
+        # a full read would). Each segment is cut from the cache as it is and only the cut is laid out head-major;
+        # the last one is shifted back to end at the cache's end, its columns an earlier segment read not counted.
         s = k_cache.shape[1]
-        seg_cols = min(CACHE_SEGMENT, -(-s // 128) * 128)
+        if s < CACHE_SEGMENT:  # a short cache: one segment, padded to whole kernel blocks
+            seg_cols = -(-s // 128) * 128
+            k_cache, v_cache = _pad(k_cache, seg_cols, 1), _pad(v_cache, seg_cols, 1)
+            cache_valid = _pad(cache_valid, seg_cols, 1)
+        else:
+            seg_cols = CACHE_SEGMENT
         sb = 128 * math.gcd(seg_cols // 128, MAX_BLOCK // 128)  # the largest kernel block that divides a segment
-        sp = -(-s // seg_cols) * seg_cols
-        kh, vh = _pad(heads(k_cache), sp, 2), _pad(heads(v_cache), sp, 2)
-        before = _pad((cache_valid & (jnp.arange(s)[None] < offset)).astype(jnp.int32), sp, 1)
+        col = jnp.arange(k_cache.shape[1])[None]
+        before = cache_valid & (col < offset)
         q_seg = jnp.ones((b, tp), jnp.int32)
         csizes = kernel.BlockSizes(block_q=blk, block_kv=sb, block_kv_compute=sb)
 
         def segment(i: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
-            cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, i * seg_cols, seg_cols, axis=axis)
-            old, old_lse = run(kmask.FullMask((tp, seg_cols)), qs, cut(kh, 2), cut(vh, 2), q_seg, cut(before, 1),
-                               csizes)
-            out, lse = acc
-            top = jnp.maximum(lse, old_lse)
-            w, w_old = jnp.exp(lse - top), jnp.exp(old_lse - top)
-            out = (out * w[..., None] + old.astype(jnp.float32) * w_old[..., None]) / (w + w_old)[..., None]
-            return out, top + jnp.log(w + w_old)
+            start = jnp.minimum(i * seg_cols, k_cache.shape[1] - seg_cols)
+            cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, seg_cols, axis=1)
+            ids = (cut(before) & (cut(col) >= i * seg_cols)).astype(jnp.int32)
+            part = run(kmask.FullMask((tp, seg_cols)), qs, cut(k_cache).transpose(0, 2, 1, 3),
+                       cut(v_cache).transpose(0, 2, 1, 3), q_seg, ids, csizes)
+            return layers.merge_lse([acc, (part[0].astype(jnp.float32), part[1])])
 
         n = (jnp.asarray(offset, jnp.int32) + seg_cols - 1) // seg_cols
         own, _ = jax.lax.fori_loop(0, n, segment, (own.astype(jnp.float32), own_lse))
@@ -148,10 +185,9 @@ def causal_attention(q: Array, k: Array, v: Array, q_valid: Array, cache: tuple[
 
     if mesh is None:
         return fn(*args)
-    q_spec, kv_spec = mesh.spec(("batch", None, "q_heads", None)), mesh.spec(("batch", None, "kv_heads", None))
+    q_spec, kv_spec, row = _specs(mesh)
     if q_spec[2] != kv_spec[2]:
         raise ShardingError(f"splash attention needs query and KV heads on the same mesh axes; the rules put them on "
                             f"{q_spec[2]!r} and {kv_spec[2]!r} (use --attention chunked)")
-    row = mesh.spec(("batch", None))
     specs = (q_spec, kv_spec, kv_spec, row, *((kv_spec, kv_spec, row, PartitionSpec()) if cache is not None else ()))
     return jax.shard_map(fn, mesh=mesh.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)

@@ -49,8 +49,9 @@ def _layer(
     """One decoder layer. kv: (the stack's whole K cache, V cache, this layer's index) or None. `refining`: a
     refinement pass (`gated_deltanet.refines`) whose window's K/V nothing reads after it: they are not written into
     the cache; the window attends to the cache without its own columns and to its own K/V, as one softmax
-    (`layers.attend_split`). Where that pass is a branch of the sampler's cond, a write would make the compiler copy
-    the whole K/V stack (2 x 1.4 GB a chip for 32 rows of Clover-35B at 4K)."""
+    (`layers.attend_split`; only with a `masks.BlockMask`: an array mask is written and read as before). Where that
+    pass is a branch of the sampler's cond, a write would make the compiler copy the whole K/V stack (2 x 1.4 GB a
+    chip for 32 rows of Clover-35B at 4K)."""
     h = layers.norm(x, w.attn_norm, cfg)
     q, k, v = layers.project_qkv(h, w.attn, positions, cfg)
     if kv is not None and refining and isinstance(mask, masks.BlockMask):
@@ -75,7 +76,7 @@ def _layer(
         fresh = (k.astype(k_all.dtype), v.astype(v_all.dtype))  # the window's K/V as the cache holds them
         k, v = k_all[i], v_all[i]
         kv = (k_all, v_all)
-    if isinstance(mask, masks.BlockMask) and splash.applies(cfg.attention_impl, mask.causal, *q.shape[1::2], mesh):
+    if isinstance(mask, masks.BlockMask) and splash.applies(cfg.attention_impl, mask.causal, q.shape, k.shape[2], mesh):
         own_k, own_v = fresh if kv is not None else (k, v)
         cache = (k.astype(q.dtype), v.astype(q.dtype), mask.k_valid, cache_offset) if kv is not None else None
         attn = splash.causal_attention(q, own_k.astype(q.dtype), own_v.astype(q.dtype), mask.q_valid, cache, mesh)
@@ -292,11 +293,13 @@ def forward(
     expert-parallel dispatch on this mesh (None: one device, no constraints).
     valid: [B, W] the window's real (non-padding) columns, which Gated DeltaNet layers need (None: all
     real); attention layers read padding from `mask`.
-    Gated DeltaNet layers only (attention layers read all of this from `mask`): blocks [B, W] the window's
+    Gated DeltaNet layers (attention layers read all of this from `mask`): blocks [B, W] the window's
     block ids (default positions // block_size); commit: with a cache, the Gated DeltaNet state written
-    back is the one after the first `commit` columns of the window (None: all; 0 for a refinement pass
-    over a block that is not final yet); two_stream: tokens are block-diffusion training's (noisy, clean)
-    halves, whose noisy blocks read the clean prefix (`gated_deltanet.mixer`).
+    back is the one after the first `commit` columns of the window (None: all; the Python int 0 for a refinement
+    pass over a block that is not final yet, which in a hybrid also leaves the attention K/V unwritten when `mask`
+    is a `masks.BlockMask`: the window's columns of the returned cache then hold what they held, see `_layer`);
+    two_stream: tokens are block-diffusion training's (noisy, clean) halves, whose noisy blocks read the clean
+    prefix (`gated_deltanet.mixer`).
     """
     if mask is None or positions is None:
         if cache is not None:

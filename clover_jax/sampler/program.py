@@ -190,8 +190,7 @@ def run_program(spec: ProgramSpec, forward_fn: ForwardFn, weights: Any, prompt: 
         clean, a prefill); `prefill`: the window is the prompt's (causal in columns for a causal-prefix model)."""
         ids = ids_r if noisy_from is None else ids_at(noisy_from)
         logits, cache = denoise.window_pass(forward_fn, weights, cfg, model_rows(cv), valid_r, ids, pos_r, cache,
-                                            lo, width, logits_start, logits_len, commit,
-                                            causal=prefill and cfg.causal_prefix)
+                                            lo, width, logits_start, logits_len, commit, prefill=prefill)
         if spec.guidance:
             logits = guide(logits[:b], logits[b:], knobs.cfg_scale)
         return logits, cache

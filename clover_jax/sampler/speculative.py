@@ -98,7 +98,7 @@ def run_speculative(spec: Any, forward_fn: ForwardFn, weights: Any, prompt: Arra
     def call(cv: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int, logits_len: int,
              commit: Array | int | None, noisy_from: Array | int, prefill: bool = False) -> tuple[Array, Any]:
         return denoise.window_pass(forward_fn, weights, cfg, cv, valid, ids(noisy_from), positions, cache, lo, width,
-                                   logits_start, logits_len, commit, causal=prefill)
+                                   logits_start, logits_len, commit, prefill=prefill)
 
     stem, prefilled = None, jnp.int32(1 if p > 1 else 0)
     if reuse is None:
@@ -204,7 +204,7 @@ def _prefill_reusing(forward_fn: ForwardFn, weights: Any, cfg: Any, canvas: Arra
         def window(st: tuple[Any, Array]) -> tuple[Any, Array]:
             c, at = st
             return (denoise.window_pass(forward_fn, weights, cfg, cv, valid, pos, pos, c, at, width, 0, 1,
-                                        causal=True)[1], at + width)
+                                        prefill=True)[1], at + width)
 
         return jax.lax.while_loop(lambda st: st[1] < hi, window, (cache, lo))[0]
 

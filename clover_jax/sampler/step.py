@@ -54,20 +54,22 @@ def pow2_widths(columns: int, unit: int) -> tuple[int, ...]:
 
 def window_pass(forward_fn: ForwardFn, weights: Any, cfg: ModelConfig, tokens: Array, valid: Array, blocks: Array,
                 positions: Array, cache: Any, lo: Array | int, width: int, logits_start: Array | int,
-                logits_len: int, commit: Array | int | None = None, causal: bool = False) -> tuple[Array, Any]:
+                logits_len: int, commit: Array | int | None = None, prefill: bool = False) -> tuple[Array, Any]:
     """The model on canvas columns [lo, lo + width) of every row: tokens / valid / blocks / positions are the
     whole canvas [R, S]. Without a cache the window attends to itself; with one it is written at column `lo` and
-    attends to all S columns. Returns (float32 logits [R, logits_len, V] of window columns
+    attends to all S columns (a hybrid's refinement pass, `commit` the Python int 0, writes nothing: see
+    `transformer.forward`). Returns (float32 logits [R, logits_len, V] of window columns
     [logits_start, logits_start + logits_len), the cache). `commit`: how many of the window's columns are final,
-    for the Gated DeltaNet state (`transformer.forward`). `causal`: the caller's promise that the mask is causal in
-    columns (each query sees the valid columns at or before its own: a causal-prefix model's prompt prefill), so
-    attention may run through a causal kernel (`masks.BlockMask.causal`)."""
+    for the Gated DeltaNet state (`transformer.forward`). `prefill`: the caller's promise that the window and every
+    valid column before it are clean text and its block ids their positions (a prompt's prefill); for a causal-prefix
+    model the mask is then causal in columns, so attention may run through a causal kernel
+    (`masks.BlockMask.causal`)."""
     def cut(x: Array) -> Array:
         return jax.lax.dynamic_slice_in_dim(x, lo, width, axis=1)
 
     qv, qi = cut(valid), cut(blocks)
     kv, ki = (valid, blocks) if cache is not None else (qv, qi)
-    mask = masks.BlockMask(qv, qi, kv, ki, cfg.is_block_causal, causal)  # built where attention reads it
+    mask = masks.BlockMask(qv, qi, kv, ki, cfg.is_block_causal, prefill and cfg.causal_prefix)  # built where read
     linear = dict(valid=qv, blocks=qi, commit=commit) if cfg.is_hybrid else {}
     logits, cache = forward_fn(weights, cut(tokens), cut(positions), mask, cache, jnp.asarray(lo, jnp.int32),
                                logits_start, logits_len, **linear)

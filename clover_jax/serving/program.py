@@ -202,7 +202,7 @@ def admit(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, cache: str
 
         def run(c: Any, lo: Array | int, w: int) -> Any:
             return denoise.window_pass(forward_fn, weights, cfg, canvas, valid, blocks, pos, c, lo, w, 0, 1,
-                                       causal=cfg.causal_prefix)[1]
+                                       prefill=True)[1]
 
         new = denoise.prefill(run, forward_fn.init_cache(k, s), s - bl - width, width, denoise.prefill_columns(cfg, k),
                               denoise.prefill_overlap(cfg, cfg.block_size))
@@ -252,7 +252,7 @@ def admit_reusing(cfg: ModelConfig, forward_fn: ForwardFn, block_length: int, wi
 
     def run(c: Any, start: Array | int, w: int) -> Any:
         return denoise.window_pass(forward_fn, weights, cfg, cv, ok, ids, pos, c, start, w, 0, 1,
-                                   causal=cfg.causal_prefix)[1]
+                                   prefill=True)[1]
 
     kv = kv_cache.resize_columns(kv_cache.roll_columns(saved, shift), s + width)
     kv = denoise.prefill(run, kv, lo, width, denoise.prefill_columns(cfg, 1),
