@@ -103,16 +103,19 @@ def attend(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, impl: st
     """
     if chunks_attention(impl, q.shape[0], q.shape[1], k.shape[1], chunk):
         return attend_chunked(q, k, v, mask, chunk)
+    probs = jax.nn.softmax(_dense_scores(q, k, mask), axis=-1).astype(v.dtype)
+    return _ungrouped(jnp.einsum("bkqs,bskd->bkqd", probs, v), q.shape[1])
+
+
+def _dense_scores(q: Array, k: Array, mask: Array | masks.BlockMask) -> Array:
+    """The dense form's masked float32 scores [B, K, H/K * Tq, Tk] (queries grouped by KV head, `_grouped`)."""
     if isinstance(mask, masks.BlockMask):
         mask = mask.full()
     b, tq, h, hd = q.shape
-    kv, g = k.shape[2], h // k.shape[2]
-    qg = q.reshape(b, tq, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * tq, hd)
-    scores = jnp.einsum("bkqd,bskd->bkqs", qg, k, preferred_element_type=jnp.float32) * (hd**-0.5)
-    scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, tq, -1), NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * tq, -1)
-    out = jnp.einsum("bkqs,bskd->bkqd", probs, v).reshape(b, kv, g, tq, hd)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, tq, h, hd)
+    kv = k.shape[2]
+    scores = jnp.einsum("bkqd,bskd->bkqs", _grouped(q, kv), k, preferred_element_type=jnp.float32) * (hd**-0.5)
+    scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, h // kv, tq, -1), NEG_INF)
+    return scores.reshape(b, kv, h // kv * tq, -1)
 
 
 def _grouped(q: Array, kv: int) -> Array:
@@ -136,17 +139,11 @@ def attend_with_lse(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask,
     the output is float32."""
     if chunks_attention(impl, q.shape[0], q.shape[1], k.shape[1], chunk):
         return attend_chunked(q, k, v, mask, chunk, with_lse=True)
-    if isinstance(mask, masks.BlockMask):
-        mask = mask.full()
-    b, tq, h, hd = q.shape
-    kv = k.shape[2]
-    scores = jnp.einsum("bkqd,bskd->bkqs", _grouped(q, kv), k, preferred_element_type=jnp.float32) * (hd**-0.5)
-    scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, h // kv, tq, -1), NEG_INF)
-    scores = scores.reshape(b, kv, h // kv * tq, -1)
-    lse = jax.nn.logsumexp(scores, axis=-1)
+    scores = _dense_scores(q, k, mask)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # as `attend` does
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v, preferred_element_type=jnp.float32)
-    return _ungrouped(out, tq), _ungrouped(lse, tq)
+    tq = q.shape[1]
+    return _ungrouped(out, tq), _ungrouped(jax.nn.logsumexp(scores, axis=-1), tq)
 
 
 def merge_lse(parts: list[tuple[Array, Array]]) -> tuple[Array, Array]:
@@ -192,7 +189,7 @@ def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, 
     def one_query_chunk(i: Array, out: Array) -> Array:
         q0 = jnp.minimum(i * cq, tq - cq)
         qc = jax.lax.dynamic_slice_in_dim(q, q0, cq, axis=1)
-        qc = qc.reshape(b, cq, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * cq, hd)
+        qc = _grouped(qc, kv)
         mq = mask.rows(q0, cq) if lazy else jax.lax.dynamic_slice_in_dim(mask, q0, cq, axis=1)
 
         def one_key_chunk(carry: tuple[Array, Array, Array], j: Array) -> tuple:
@@ -214,8 +211,7 @@ def attend_chunked(q: Array, k: Array, v: Array, mask: Array | masks.BlockMask, 
         init = (jnp.full((b, kv, g * cq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g * cq), jnp.float32),
                 jnp.zeros((b, kv, g * cq, hd), jnp.float32))
         (m, denom, acc), _ = jax.lax.scan(one_key_chunk, init, jnp.arange(nk))
-        oc = (acc / denom[..., None]).astype(out[0].dtype if with_lse else out.dtype)
-        oc = oc.reshape(b, kv, g, cq, hd).transpose(0, 3, 1, 2, 4).reshape(b, cq, h, hd)
+        oc = _ungrouped((acc / denom[..., None]).astype(out[0].dtype if with_lse else out.dtype), cq)
         if not with_lse:
             return jax.lax.dynamic_update_slice_in_dim(out, oc, q0, axis=1)
         lse = _ungrouped(m + jnp.log(denom), cq)

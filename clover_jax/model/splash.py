@@ -59,6 +59,15 @@ def _specs(mesh: MeshRules) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec
             mesh.spec(("batch", None)))
 
 
+def _heads_apart(q_spec: PartitionSpec, kv_spec: PartitionSpec) -> ShardingError | None:
+    """The error for rules that put query and KV heads on different mesh axes (each device must hold the KV heads
+    its query heads read), or None."""
+    if q_spec[2] == kv_spec[2]:
+        return None
+    return ShardingError(f"splash attention needs query and KV heads on the same mesh axes; the rules put them on "
+                         f"{q_spec[2]!r} and {kv_spec[2]!r} (use --attention chunked)")
+
+
 def _divides(mesh: MeshRules, spec: PartitionSpec, shape: tuple[int, ...]) -> bool:
     """Whether every axis of `shape` is a whole number of shards under `spec` (shard_map takes no uneven shards)."""
     for n, axes in zip(shape, spec, strict=False):
@@ -86,10 +95,9 @@ def applies(impl: str, causal: bool, q_shape: tuple[int, ...], kv_heads: int, me
     if mesh is None:
         return True
     q_spec, kv_spec, _ = _specs(mesh)
-    if q_spec[2] != kv_spec[2]:
+    if (apart := _heads_apart(q_spec, kv_spec)) is not None:
         if impl == "splash":
-            raise ShardingError(f"splash attention needs query and KV heads on the same mesh axes; the rules put "
-                                f"them on {q_spec[2]!r} and {kv_spec[2]!r} (use --attention chunked)")
+            raise apart
         return False
     return _divides(mesh, q_spec, (b, queries, h, hd)) and _divides(mesh, kv_spec, (b, queries, kv_heads, hd))
 
@@ -186,8 +194,7 @@ def causal_attention(q: Array, k: Array, v: Array, q_valid: Array, cache: tuple[
     if mesh is None:
         return fn(*args)
     q_spec, kv_spec, row = _specs(mesh)
-    if q_spec[2] != kv_spec[2]:
-        raise ShardingError(f"splash attention needs query and KV heads on the same mesh axes; the rules put them on "
-                            f"{q_spec[2]!r} and {kv_spec[2]!r} (use --attention chunked)")
+    if (apart := _heads_apart(q_spec, kv_spec)) is not None:
+        raise apart
     specs = (q_spec, kv_spec, kv_spec, row, *((kv_spec, kv_spec, row, PartitionSpec()) if cache is not None else ()))
     return jax.shard_map(fn, mesh=mesh.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
