@@ -16,10 +16,10 @@ default the model's 4,096; exact); `--prefill-chunk 0` prefills it in one pass.
 
 Table 2, at `--compare-size` (16K): the same sampler runs for three forms of the Gated DeltaNet layers: the shipped
 weights read as the earlier reconstruction's block diffusion (bd_gdn="reconstructed", whose prompt runs the
-block-diffusion mixer; the shipped model itself reads its prompt causally, as the third row does), its delta rule
-chunked (`delta_rule_blocks_chunked`, the default above
-`delta_rule.BLOCKS_SCAN_MAX` = 256 columns), forced onto the position-by-position scan
-(`delta_rule_blocks`), and the same weights as the plain causal Gated DeltaNet (bd_gdn="none",
+block-diffusion mixer; the shipped model itself reads its prompt causally, as the third row does) with its delta
+rule as it runs on a CPU (the position-by-position scan `delta_rule_blocks` at every width: `delta_rule.CPU_SCAN`),
+the same forced onto the chunked form accelerators run (`delta_rule_blocks_chunked`, above
+`delta_rule.BLOCKS_SCAN_MAX` = 256 columns), and the same weights as the plain causal Gated DeltaNet (bd_gdn="none",
 `delta_rule_chunked`); then, in one process with the three taken in turns (the machine is shared), one
 Gated DeltaNet layer's mixer over the whole prompt and its delta rule alone (best of `--runs`).
 Table 3 (`--attention-sizes`, default 2K .. 16K): the same sampler on an all-attention model of the same size
@@ -42,7 +42,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["CLOVER_COMPILE_CACHE"] = "off"  # the scan mode changes a module constant, not the program's key
 
-MODES = {"chunked": "block diffusion, chunked", "scan": "block diffusion, position scan",
+MODES = {"scan": "block diffusion (scan: CPU default)", "chunked": "block diffusion, chunked",
          "plain": "plain causal GDN (bd_gdn=none)"}
 ATTENTION_MODES = {"attention-auto": "auto", "attention-dense": "dense"}  # table 3: attention_impl
 
@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _model(mode: str, length: int):
     """The shipped clover-tiny as `mode` runs it, max_seq_len raised to `length` (table 2's modes: its weights read
-    as the earlier reconstruction's block diffusion, or as the plain causal Gated DeltaNet). The scan mode sets
-    BLOCKS_SCAN_MAX, which functions traced afterwards read."""
+    as the earlier reconstruction's block diffusion, or as the plain causal Gated DeltaNet). The chunked mode clears
+    delta_rule.CPU_SCAN, which functions traced afterwards read."""
     from clover_jax import load_model
     from clover_jax.model import delta_rule
     from clover_jax.shipped import MODEL_DIR
@@ -80,7 +80,7 @@ def _model(mode: str, length: int):
 
         cfg = get_config("clover-tiny-attention").replace(max_seq_len=length, attention_impl=ATTENTION_MODES[mode])
         return cfg, params.init(cfg, jax.random.key(0))
-    delta_rule.BLOCKS_SCAN_MAX = 1 << 40 if mode == "scan" else 256
+    delta_rule.CPU_SCAN = mode != "chunked"
     cfg, weights = load_model(str(MODEL_DIR))
     cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, length))
     if mode == "shipped":  # table 1: the model as it is shipped
@@ -129,7 +129,7 @@ def run_compare(size: int, args: argparse.Namespace) -> dict:
 
     calls = {}
     for mode in MODES:
-        cfg, weights = _model(mode, size)  # (sets BLOCKS_SCAN_MAX for the functions traced here)
+        cfg, weights = _model(mode, size)  # (sets CPU_SCAN for the functions traced here)
         valid = jnp.ones((1, size), bool)
         blocks = masks.block_ids(cfg, valid)
         x = jax.random.normal(jax.random.key(0), (1, size, cfg.d_model))
@@ -143,8 +143,8 @@ def run_compare(size: int, args: argparse.Namespace) -> dict:
                        -jax.random.uniform(keys[3], (1, size, hv), minval=0.01, maxval=0.5),
                        jax.random.uniform(keys[4], (1, size, hv), minval=0.05, maxval=0.95))
         rule = (jax.jit(lambda s: dr.delta_rule_chunked(*s)) if mode == "plain" else
-                jax.jit(lambda s, blocks=blocks, valid=valid, c=cfg: dr.blocks_rule(size, c.block_size)(
-                    s, blocks, valid, history=True)))
+                jax.jit(lambda s, blocks=blocks, valid=valid, c=cfg: dr.blocks_rule(
+                    size, c.block_size, inference=True)(s, blocks, valid, history=True)))
         for f, a in ((mixer, (x, one)), (rule, (st,))):
             jax.block_until_ready(f(*a))  # compile
         calls[mode] = ((mixer, (x, one)), (rule, (st,)))

@@ -100,7 +100,8 @@ def chunked_mixer(monkeypatch):
     (the constants are read while tracing)."""
     monkeypatch.setattr(dr, "BLOCKS_SCAN_MAX", 0)
     monkeypatch.setattr(dr, "CHUNK", 8)
-    assert dr.blocks_rule(9, CFG.block_size).func is dr.delta_rule_blocks_chunked
+    monkeypatch.setattr(dr, "CPU_SCAN", False)  # (else the mixer's forward runs the scan on a CPU)
+    assert dr.blocks_rule(9, CFG.block_size, inference=True).func is dr.delta_rule_blocks_chunked
     return jax.jit(lambda *a, **k: gdn.mixer(*a, **k), static_argnums=2, static_argnames=("two_stream",))
 
 
@@ -153,3 +154,25 @@ def test_chunked_two_stream_mixer_equals_the_scan(chunked_mixer, bd):
     assert float(jnp.abs(want[1][0]).max()) > 0.1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_forward_window_runs_the_scan_on_a_cpu_and_chunks_on_a_tpu():
+    """`blocks_rule(..., inference=True)` chooses by the platform the program is lowered for: a program exported
+    for a CPU loops over the 320 positions, one exported for a TPU (from this CPU host) over 5 chunks of 64;
+    training's rule (inference=False) and CPU_SCAN cleared chunk on both."""
+    t = 320
+    st = dr.Stream(*(jnp.zeros(s) for s in [(1, t, 2, 16), (1, t, 2, 16), (1, t, 4, 8), (1, t, 4), (1, t, 4)]))
+    blocks, valid = jnp.arange(t)[None] // 32, jnp.ones((1, t), bool)
+
+    def lowered(platform: str, inference: bool = True) -> str:
+        f = jax.jit(lambda s: dr.blocks_rule(t, 32, inference=inference)(s, blocks, valid, history=True))
+        return jax.export.export(f, platforms=[platform])(st).mlir_module()
+
+    trip = "stablehlo.constant dense<{}> : tensor<i32>"
+    cpu, tpu = lowered("cpu"), lowered("tpu")
+    assert trip.format(t) in cpu and trip.format(5) not in cpu
+    assert trip.format(5) in tpu
+    assert trip.format(5) in lowered("cpu", inference=False)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dr, "CPU_SCAN", False)
+        assert trip.format(5) in lowered("cpu")

@@ -105,7 +105,8 @@ def test_mixer_matches_the_direct_computation_and_its_gradients(rule, monkeypatc
     if rule == "chunked":  # read while tracing
         monkeypatch.setattr(dr, "BLOCKS_SCAN_MAX", 0)
         monkeypatch.setattr(dr, "CHUNK", 8)
-        assert dr.blocks_rule(9, CFG.block_size).func is dr.delta_rule_blocks_chunked
+        monkeypatch.setattr(dr, "CPU_SCAN", False)
+        assert dr.blocks_rule(9, CFG.block_size, inference=True).func is dr.delta_rule_blocks_chunked
     w = _mixer_weights()
     x = jax.random.normal(jax.random.key(5), (1, len(BLOCKS), CFG.d_model))
     blocks = jnp.asarray(BLOCKS)[None]
@@ -152,6 +153,49 @@ def test_inblock_attention_tiles_equal_one_dense_softmax():
     want = jnp.einsum("bhqk,bkhd->bqhd", p[..., 1:], v) + jnp.moveaxis(p[..., 0], 1, 2)[..., None] * (
         w.bd_history_c[:, None] * hist)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [0, 13])
+def test_inblock_attention_on_aligned_tiles_equals_the_three_tile_form(offset):
+    """Rows on a block grid, each with its own left padding, in a window that starts `offset` positions into a
+    block (a prefill window after a cache): `tile_shift` finds shifts that put every block in one tile, and the
+    softmax over each tile alone equals the three-tile form at every valid column. A block of uneven length
+    between others does not fit (the three-tile form runs)."""
+    rng = np.random.default_rng(1)
+    t, span = 70, 8
+    pads = (0, 3, 8, 29)
+    valid = jnp.arange(t)[None] >= jnp.asarray(pads)[:, None]
+    blocks = (masks.positions(valid) + offset) // span  # blocks start at columns pad - offset (mod span)
+    shift, fits = gdn.tile_shift(blocks, valid, span)
+    assert bool(fits) and [int(s) for s in shift] == [(offset - p) % span for p in pads]
+    q = dr.l2_normalize(jnp.asarray(rng.standard_normal((4, t, 2, 16))))
+    k = dr.l2_normalize(jnp.asarray(rng.standard_normal((4, t, 2, 16))))
+    v = jnp.asarray(rng.standard_normal((4, t, 4, 8)), jnp.float32)
+    hist = jnp.asarray(rng.standard_normal((4, t, 4, 8)), jnp.float32)
+    w = _mixer_weights()
+    got = gdn.inblock_attention(q, k, v, hist, blocks, valid, w, span=span)
+    o, weight = gdn._inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=True)
+    want = o + weight[..., None] * hist
+    keep = valid[:, :, None, None]
+    assert float(jnp.abs(jnp.where(keep, want, 0)).max()) > 0.1
+    np.testing.assert_allclose(jnp.where(keep, got, 0), jnp.where(keep, want, 0), atol=1e-5, rtol=1e-5)
+    r = jnp.where(keep, jnp.asarray(rng.standard_normal(want.shape), jnp.float32), 0)  # gradients too
+
+    def loss(form, *qkvh):
+        return jnp.sum(form(*qkvh) * r)
+
+    def three_tiles(q, k, v, hist):
+        o, weight = gdn._inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=True)
+        return o + weight[..., None] * hist
+
+    grads = [jax.grad(lambda *a, f=f: loss(f, *a), argnums=(0, 1, 2, 3))(q, k, v, hist) for f in (
+        lambda *a: gdn.inblock_attention(*a, blocks, valid, w, span=span), three_tiles)]
+    for a, b in zip(*grads, strict=True):
+        assert float(jnp.abs(b).max()) > 1e-3
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    # a prompt of 13 columns in blocks of 8 and 5, then generated blocks of 8: no shift fits every block of the row
+    uneven = jnp.asarray(np.concatenate([[0] * 8, [1] * 5, 2 + np.arange(t - 13) // span]))[None]
+    assert not bool(gdn.tile_shift(uneven, jnp.ones((1, t), bool), span)[1])
 
 
 def _model(bd: str = "reconstructed", seed: int = 0):

@@ -19,9 +19,9 @@ step per position; `delta_rule_blocks_chunked`, the chunked form of it), or, in 
 column is final, one fixed state (`read_state`).
 
 Which form a window runs is chosen by its width: `plain_rule` (RECURRENT_MAX) and `blocks_rule`
-(BLOCKS_SCAN_MAX, CHUNK). They read these module constants when called, that is while their caller is traced,
-so setting `delta_rule.RECURRENT_MAX` (or the others) before tracing a new function switches its form; the
-tests and benchmarks do.
+(BLOCKS_SCAN_MAX, CHUNK; for a forward pass also by the platform, CPU_SCAN). They read these module constants
+when called, that is while their caller is traced, so setting `delta_rule.RECURRENT_MAX` (or the others) before
+tracing a new function switches its form; the tests and benchmarks do.
 
 All take and return the state, so running a prefix and then the rest equals running the whole.
 Padding: the caller sets g = 0 and beta = 0 at padding columns (`mask_padding`), which makes them
@@ -48,6 +48,11 @@ RECURRENT_MAX = 256
 # 0.23 s; benchmarks/long_context.py), the chunked form's backward about 2x faster (training), and its
 # sequential depth T / CHUNK is what accelerators need.
 BLOCKS_SCAN_MAX = 256
+# On a CPU the position scan is the faster forward at every width (the 16K prefill above: 0.11 s against 0.19 s),
+# and sequential depth costs a CPU nothing, so `blocks_rule(..., inference=True)` runs it there whatever the
+# window's width (`jax.lax.platform_dependent`: the platform the program is lowered for, so a TPU program compiled
+# on a CPU host keeps the chunked form). Training keeps the chunked form on every platform (its backward).
+CPU_SCAN = True
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
@@ -286,7 +291,7 @@ def delta_rule_blocks(x: Stream, blocks: Array, valid: Array, state: Array | Non
     return jnp.moveaxis(o, 0, 1), None if on is None else jnp.moveaxis(on, 0, 1), final if kept is None else kept
 
 
-def _block_starts(blocks: Array, valid: Array) -> Array:
+def block_starts(blocks: Array, valid: Array) -> Array:
     """[B, T] the column where each column's block starts, as `delta_rule_blocks` reads it: the last valid
     column <= t whose block id differs from the previous valid column's (block ids >= 0); a column with none
     before it (leading padding) is its own start."""
@@ -347,7 +352,7 @@ def delta_rule_blocks_chunked(x: Stream, blocks: Array, valid: Array, state: Arr
     k_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # decayed to the chunk's end
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
     k2, cum2 = window(k), jnp.cumsum(window(g), axis=-1)  # the window's keys and decay
-    starts = _to_chunks(_block_starts(blocks.astype(jnp.int32), valid), chunk)  # [N, B, 1, C]
+    starts = _to_chunks(block_starts(blocks.astype(jnp.int32), valid), chunk)  # [N, B, 1, C]
     first = ((jnp.arange(n) - 1) * chunk)[:, None, None, None]  # the window's first column
     col = first + chunk + jnp.arange(chunk)
 
@@ -423,11 +428,22 @@ def plain_rule(width: int) -> Callable[..., tuple[Array, Array]]:
     return delta_rule_chunked if width > RECURRENT_MAX else delta_rule_recurrent
 
 
-def blocks_rule(width: int, block_size: int) -> Callable[..., tuple[Array, Array | None, Array]]:
+def blocks_rule(width: int, block_size: int, inference: bool = False
+                ) -> Callable[..., tuple[Array, Array | None, Array]]:
     """The block-aware delta rule for a window of `width` columns: the position scan (`delta_rule_blocks`) up to
     BLOCKS_SCAN_MAX columns, else the chunked form in chunks of CHUNK columns, or of the next power of two that
-    holds a block of `block_size` columns (`delta_rule_blocks_chunked` needs a chunk to hold a whole block). Reads
-    BLOCKS_SCAN_MAX and CHUNK when called (at trace time)."""
+    holds a block of `block_size` columns (`delta_rule_blocks_chunked` needs a chunk to hold a whole block).
+    inference: a forward pass (prefill, scoring), which on a CPU runs the scan at every width when CPU_SCAN is set
+    (the choice is made per platform when the program is lowered). Reads BLOCKS_SCAN_MAX, CHUNK and CPU_SCAN when
+    called (at trace time)."""
     if width <= BLOCKS_SCAN_MAX:
         return delta_rule_blocks
-    return functools.partial(delta_rule_blocks_chunked, chunk=max(CHUNK, 1 << (block_size - 1).bit_length()))
+    chunked = functools.partial(delta_rule_blocks_chunked, chunk=max(CHUNK, 1 << (block_size - 1).bit_length()))
+    if not (inference and CPU_SCAN):
+        return chunked
+
+    def by_platform(*args: Any, **kwargs: Any) -> tuple[Array, Array | None, Array]:
+        return jax.lax.platform_dependent(cpu=lambda: delta_rule_blocks(*args, **kwargs),
+                                          default=lambda: chunked(*args, **kwargs))
+
+    return by_platform

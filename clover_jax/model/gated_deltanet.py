@@ -25,6 +25,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.model import quant
 from clover_jax.model.delta_rule import (
     Stream,
+    block_starts,
     blocks_rule,
     l2_normalize,
     mask_padding,
@@ -62,23 +63,80 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
         logit_h = bd_history_bias
         o_t = softmax_h * bd_history_c * hist_t + sum_j softmax_j * v_j
     per value head. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; hist [B, T, Hv, dv] (`delta_rule.delta_rule_blocks`
-    with history=True); blocks, valid [B, T]. span: the most columns a block covers (blocks are contiguous), so
-    the keys of a query in tile i of `span` columns lie in tiles i-1 .. i+1: the cost is linear in T.
-    Returns [B, T, Hv, dv] float32.
+    with history=True); blocks, valid [B, T]. span: the most columns a block covers (blocks are contiguous).
+    Returns [B, T, Hv, dv] float32; at padding columns (valid False) finite, unspecified values.
+
+    The cost is linear in T: queries in tiles of `span` columns. When each row, moved some columns later
+    (`tile_shift`), has every block inside one tile (a block grid of `span` columns, whatever the row's left
+    padding: prefill windows, the reconstructed reading's forward), each tile attends to itself; otherwise (a block of
+    uneven length between others: a prompt's last, partial block before the generated ones) to the tiles either
+    side too, three times the scores. The choice is made at run time (`lax.cond`).
     """
+    f32 = jnp.float32
+    t = q.shape[1]
+    if t <= span:  # one tile (a refinement pass over one block)
+        o, weight = _inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=False)
+    else:
+        shift, fits = tile_shift(blocks, valid, span)
+
+        def aligned() -> tuple[Array, Array]:
+            moved = [_move(a, shift, t + span) for a in (q, k, v, blocks, valid)]
+            o, weight = _inblock_tiles(*moved, w, span, neighbours=False)
+            return _move(o, -shift, t), _move(weight, -shift, t)
+
+        o, weight = jax.lax.cond(fits, aligned,
+                                 lambda: _inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=True))
+    return o + weight[..., None] * hist.astype(f32)
+
+
+def tile_shift(blocks: Array, valid: Array, span: int) -> tuple[Array, Array]:
+    """(shift [B] int32 in [0, span), fits: bool scalar): moved `shift` columns later, each row has the valid columns
+    of each block inside one tile of `span` columns, for every row when `fits`. The shift puts the start of the
+    row's last block on a tile's first column; `fits` checks every two consecutive valid columns of one block."""
+    b, t = blocks.shape
+    col = jnp.broadcast_to(jnp.arange(t), (b, t))
+    starts = block_starts(blocks, valid)
+    last = jnp.max(jnp.where(valid, col, -1), axis=1)  # the row's last valid column (-1: none)
+    first_of_last = jnp.take_along_axis(starts, jnp.maximum(last, 0)[:, None], axis=1)[:, 0]
+    shift = (-first_of_last) % span
+    prev = jax.lax.cummax(jnp.where(valid, col, -1), axis=1)  # the last valid column <= t ...
+    prev = jnp.pad(prev[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # ... and < t
+    prev_block = jnp.take_along_axis(blocks, jnp.maximum(prev, 0), axis=1)
+    tile = (col + shift[:, None]) // span
+    prev_tile = (prev + shift[:, None]) // span
+    apart = valid & (prev >= 0) & (prev_block == blocks) & (prev_tile != tile)
+    return shift.astype(jnp.int32), ~jnp.any(apart)
+
+
+def _move(a: Array, shift: Array, width: int) -> Array:
+    """a [B, T, ...] with row r moved shift[r] columns later (earlier when negative), into `width` columns; columns
+    with no source are zero (False)."""
+    src = jnp.arange(width)[None] - shift[:, None]  # [B, width]
+    inside = (src >= 0) & (src < a.shape[1])
+    idx = jnp.clip(src, 0, a.shape[1] - 1).reshape(*src.shape, *([1] * (a.ndim - 2)))
+    got = jnp.take_along_axis(a, idx, axis=1)
+    return jnp.where(inside.reshape(*inside.shape, *([1] * (a.ndim - 2))), got, jnp.zeros((), a.dtype))
+
+
+def _inblock_tiles(q: Array, k: Array, v: Array, blocks: Array, valid: Array, w: GatedDeltaNetWeights, span: int,
+                   neighbours: bool) -> tuple[Array, Array]:
+    """`inblock_attention`'s softmax in tiles of `span` columns, its keys the tile's own columns, or with
+    `neighbours` also the tiles either side (any blocks of at most `span` contiguous columns): (the block part
+    [B, T, Hv, dv], the history slot's weight softmax_h * bd_history_c [B, T, Hv]), both float32."""
     b, t, hv, dv = v.shape
     hk = q.shape[2]
     rep = hv // hk
     f32 = jnp.float32
     n = -(-t // span)
     pad = n * span - t
+    near = neighbours and n > 1  # one tile has no neighbours
 
     def tiles(a: Array, fill: Any = 0) -> Array:  # [B, T, ...] -> [B, n, span, ...]
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
         return a.reshape(b, n, span, *a.shape[2:])
 
-    def neighbours(a: Array, fill: Any = 0) -> Array:  # [B, n, span, ...] -> [B, n, 3 span, ...]: tiles i-1, i, i+1
-        if n == 1:  # one tile (a refinement pass over one block): its neighbours would be all padding
+    def keys(a: Array, fill: Any = 0) -> Array:  # [B, n, span, ...] -> [B, n, K, ...]: tiles i-1, i, i+1, or i
+        if not near:
             return a
         edge = jnp.full_like(a[:, :1], fill)
         prev = jnp.concatenate([edge, a[:, :-1]], axis=1)
@@ -86,8 +144,8 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
         return jnp.concatenate([prev, a, nxt], axis=2)
 
     qt, bq = tiles(q.astype(f32)), tiles(blocks, -1)
-    kt, vt = neighbours(tiles(k.astype(f32))), neighbours(tiles(v.astype(f32)))
-    bk, ok = neighbours(tiles(blocks, -1), -1), neighbours(tiles(valid, False), False)
+    kt, vt = keys(tiles(k.astype(f32))), keys(tiles(v.astype(f32)))
+    bk, ok = keys(tiles(blocks, -1), -1), keys(tiles(valid, False), False)
     # Scores per key head (value heads j*rep .. j*rep+rep-1 share key head j), scaled per value head.
     cos = jnp.einsum("bnqgd,bnkgd->bngqk", qt, kt)  # [B, n, Hk, span, K]
     scale = w.bd_logit_scale.astype(f32).reshape(hk, rep)
@@ -104,9 +162,8 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
     vt = vt.reshape(b, n, vt.shape[2], hk, rep, dv)
     o = jnp.einsum("bngrqk,bnkgrd->bnqgrd", e * inv, vt)
     p_hist = jnp.moveaxis((e_hist * inv)[..., 0], 4, 2)  # [B, n, span, Hk, rep]
-    c = w.bd_history_c.astype(f32).reshape(hk, rep)
-    o = o + (p_hist * c)[..., None] * tiles(hist.astype(f32)).reshape(b, n, span, hk, rep, dv)
-    return o.reshape(b, n * span, hv, dv)[:, :t]
+    weight = p_hist * w.bd_history_c.astype(f32).reshape(hk, rep)
+    return o.reshape(b, n * span, hv, dv)[:, :t], weight.reshape(b, n * span, hv)[:, :t]
 
 
 def initial_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -241,7 +298,8 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
         recurrent = zero_state(x.shape[0], *initial_shape(cfg)) if initial is None else initial.astype(jnp.float32)
         o = read_state(st.q, recurrent)
     else:
-        o, _, recurrent = blocks_rule(x.shape[1], cfg.block_size)(st, blocks, valid, initial, commit, history=bd)
+        o, _, recurrent = blocks_rule(x.shape[1], cfg.block_size, inference=True)(st, blocks, valid, initial, commit,
+                                                                                history=bd)
     if bd:
         o = inblock_attention(st.q, st.k, st.v, o, blocks, valid, w, cfg.block_size)
     return _output(o, x, w, cfg), MixerState(recurrent, tail)
