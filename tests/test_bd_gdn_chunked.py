@@ -97,17 +97,25 @@ def test_chunked_gradients_equal_the_scan(history):
 @pytest.fixture
 def chunked_mixer(monkeypatch):
     """The mixer on the chunked rule for every window, in chunks of 8 (a block of CFG); a new jitted function
-    (the constants are read while tracing)."""
+    (the constants are read while tracing), and a list that grows by one each time the chunked rule is traced."""
+    traced = []
+    chunked = dr.delta_rule_blocks_chunked
+
+    def counted(*a, **k):
+        traced.append(1)
+        return chunked(*a, **k)
+
+    monkeypatch.setattr(dr, "delta_rule_blocks_chunked", counted)
     monkeypatch.setattr(dr, "BLOCKS_SCAN_MAX", 0)
     monkeypatch.setattr(dr, "CHUNK", 8)
     monkeypatch.setattr(dr, "CPU_SCAN", False)  # (else the mixer's forward runs the scan on a CPU)
-    assert dr.blocks_rule(9, CFG.block_size, inference=True).func is dr.delta_rule_blocks_chunked
-    return jax.jit(lambda *a, **k: gdn.mixer(*a, **k), static_argnums=2, static_argnames=("two_stream",))
+    return jax.jit(lambda *a, **k: gdn.mixer(*a, **k), static_argnums=2, static_argnames=("two_stream",)), traced
 
 
 def test_chunked_mixer_equals_the_scan_with_padding_a_cache_and_commit(chunked_mixer):
     """Prefill-like windows: rows with different left pads and a partial last block, from a cache (state and
     conv tail), keeping the state after a traced commit (inside the window, and all of it)."""
+    chunked_mixer, traced = chunked_mixer
     w = _mixer_weights(2)
     t = 37
     valid = jnp.arange(t)[None] >= jnp.asarray([[0], [5], [11]])
@@ -120,18 +128,21 @@ def test_chunked_mixer_equals_the_scan_with_padding_a_cache_and_commit(chunked_m
         zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         _, cache = scan(jax.random.normal(jax.random.key(9), x.shape), w, CFG, jnp.ones_like(valid), zero,
                         jnp.zeros_like(blocks), jnp.int32(t))  # a cache (one compile with the runs below)
-        for commit in (29, t):
-            want = scan(x, w, CFG, valid, cache, blocks, jnp.int32(commit))
-            got = chunked_mixer(x, w, CFG, valid, cache, blocks, jnp.int32(commit))
-            assert float(jnp.abs(want[0]).max()) > 0.1
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        wants = [scan(x, w, CFG, valid, cache, blocks, jnp.int32(commit)) for commit in (29, t)]
+    assert not traced
+    for commit, want in zip((29, t), wants, strict=True):
+        got = chunked_mixer(x, w, CFG, valid, cache, blocks, jnp.int32(commit))
+        assert float(jnp.abs(want[0]).max()) > 0.1
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert traced  # the chunked rule ran
 
 
 @pytest.mark.parametrize("bd", ["reconstructed", "none"])
 def test_chunked_two_stream_mixer_equals_the_scan(chunked_mixer, bd):
     """Block-diffusion training's (noisy, clean) halves, a right-padded row among them: the mixer's output and
     state, and (block diffusion) the gradient of its output with respect to the input."""
+    chunked_mixer, traced = chunked_mixer
     cfg = CFG.replace(bd_gdn=bd)
     w = _mixer_weights(4)
     n = 40
@@ -148,9 +159,11 @@ def test_chunked_two_stream_mixer_equals_the_scan(chunked_mixer, bd):
 
     form = jax.grad(run, has_aux=True) if bd == "reconstructed" else lambda x: (None, run(x)[1])
     got = jax.jit(form)(x)
+    n = len(traced)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(dr, "BLOCKS_SCAN_MAX", 256)
         want = jax.jit(lambda x: form(x))(x)
+    assert n and len(traced) == n  # the chunked rule ran for `got`, the scan for `want`
     assert float(jnp.abs(want[1][0]).max()) > 0.1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
@@ -159,7 +172,7 @@ def test_chunked_two_stream_mixer_equals_the_scan(chunked_mixer, bd):
 def test_a_forward_window_runs_the_scan_on_a_cpu_and_chunks_on_a_tpu():
     """`blocks_rule(..., inference=True)` chooses by the platform the program is lowered for: a program exported
     for a CPU loops over the 320 positions, one exported for a TPU (from this CPU host) over 5 chunks of 64;
-    training's rule (inference=False) and CPU_SCAN cleared chunk on both."""
+    training's rule (inference=False) and CPU_SCAN cleared chunk on a CPU too."""
     t = 320
     st = dr.Stream(*(jnp.zeros(s) for s in [(1, t, 2, 16), (1, t, 2, 16), (1, t, 4, 8), (1, t, 4), (1, t, 4)]))
     blocks, valid = jnp.arange(t)[None] // 32, jnp.ones((1, t), bool)

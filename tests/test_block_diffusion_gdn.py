@@ -102,15 +102,20 @@ def test_mixer_matches_the_direct_computation_and_its_gradients(rule, monkeypatc
     """Values against the float64 definition; gradients against its central differences along random
     directions (two per tensor), for every tensor the block-diffusion reading adds and the ones it reads. Both
     delta rules: the position scan, and the chunked form in chunks of 8 (blocks of 5, 8, 8, 3 straddle them)."""
+    traced = []
     if rule == "chunked":  # read while tracing
+        chunked = dr.delta_rule_blocks_chunked
+        monkeypatch.setattr(dr, "delta_rule_blocks_chunked", lambda *a, **k: traced.append(1) or chunked(*a, **k))
         monkeypatch.setattr(dr, "BLOCKS_SCAN_MAX", 0)
         monkeypatch.setattr(dr, "CHUNK", 8)
         monkeypatch.setattr(dr, "CPU_SCAN", False)
-        assert dr.blocks_rule(9, CFG.block_size, inference=True).func is dr.delta_rule_blocks_chunked
+    # a new function (jit reuses a trace of the same function): the constants are read while it is traced
+    mixer = jax.jit(lambda *a, **k: gdn.mixer(*a, **k), static_argnums=2)
     w = _mixer_weights()
     x = jax.random.normal(jax.random.key(5), (1, len(BLOCKS), CFG.d_model))
     blocks = jnp.asarray(BLOCKS)[None]
     y, _ = mixer(x, w, CFG, blocks=blocks)
+    assert bool(traced) == (rule == "chunked")
     x64 = np.asarray(x[0], np.float64)
     w64 = {f.name: np.asarray(getattr(w, f.name), np.float64) for f in dataclasses.fields(w)}
     ref = _direct(x64, w64, BLOCKS)
@@ -173,7 +178,7 @@ def test_inblock_attention_on_aligned_tiles_equals_the_three_tile_form(offset):
     v = jnp.asarray(rng.standard_normal((4, t, 4, 8)), jnp.float32)
     hist = jnp.asarray(rng.standard_normal((4, t, 4, 8)), jnp.float32)
     w = _mixer_weights()
-    got = gdn.inblock_attention(q, k, v, hist, blocks, valid, w, span=span)
+    got = gdn.inblock_attention(q, k, v, hist, blocks, valid, w, span=span, inference=True)
     o, weight = gdn._inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=True)
     want = o + weight[..., None] * hist
     keep = valid[:, :, None, None]
@@ -189,10 +194,19 @@ def test_inblock_attention_on_aligned_tiles_equals_the_three_tile_form(offset):
         return o + weight[..., None] * hist
 
     grads = [jax.grad(lambda *a, f=f: loss(f, *a), argnums=(0, 1, 2, 3))(q, k, v, hist) for f in (
-        lambda *a: gdn.inblock_attention(*a, blocks, valid, w, span=span), three_tiles)]
+        lambda *a: gdn.inblock_attention(*a, blocks, valid, w, span=span, inference=True), three_tiles)]
     for a, b in zip(*grads, strict=True):
         assert float(jnp.abs(b).max()) > 1e-3
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    # the one-tile form is tried in forward passes only (a cond, which under gradients keeps both forms' values)
+    conds = [str(jax.make_jaxpr(lambda *a, i=i: gdn.inblock_attention(*a, blocks, valid, w, span, inference=i))(
+        q, k, v, hist)).count("cond[") for i in (True, False)]
+    assert conds == [1, 0]
+    x = jnp.zeros((4, t, CFG.d_model))  # the mixer's forward tries it, block-diffusion training's two streams do not
+    assert "cond[" in str(jax.make_jaxpr(lambda x: gdn.mixer(x, w, CFG, valid, None, blocks))(x))
+    two = jax.make_jaxpr(lambda x: gdn.mixer(x, w, CFG, jnp.tile(valid, 2), blocks=jnp.tile(blocks, 2),
+                                             two_stream=True))(jnp.tile(x, (1, 2, 1)))
+    assert "cond[" not in str(two)
     # a prompt of 13 columns in blocks of 8 and 5, then generated blocks of 8: no shift fits every block of the row
     uneven = jnp.asarray(np.concatenate([[0] * 8, [1] * 5, 2 + np.arange(t - 13) // span]))[None]
     assert not bool(gdn.tile_shift(uneven, jnp.ones((1, t), bool), span)[1])

@@ -55,7 +55,7 @@ class MixerState(NamedTuple):
 
 
 def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, valid: Array,
-                      w: GatedDeltaNetWeights, span: int) -> Array:
+                      w: GatedDeltaNetWeights, span: int, inference: bool = False) -> Array:
     """The in-block softmax of the block-diffusion Gated DeltaNet, mixed with the history read-out.
 
     For position t, over the valid positions j of t's block and one history slot:
@@ -66,16 +66,20 @@ def inblock_attention(q: Array, k: Array, v: Array, hist: Array, blocks: Array, 
     with history=True); blocks, valid [B, T]. span: the most columns a block covers (blocks are contiguous).
     Returns [B, T, Hv, dv] float32; at padding columns (valid False) finite, unspecified values.
 
-    The cost is linear in T: queries in tiles of `span` columns. When each row, moved some columns later
-    (`tile_shift`), has every block inside one tile (a block grid of `span` columns, whatever the row's left
-    padding: prefill windows, the reconstructed reading's forward), each tile attends to itself; otherwise (a block of
-    uneven length between others: a prompt's last, partial block before the generated ones) to the tiles either
-    side too, three times the scores. The choice is made at run time (`lax.cond`).
+    The cost is linear in T: queries in tiles of `span` columns, attending to their own tile and the tiles either
+    side. inference: a forward pass (prefill, scoring, the sampler's passes), which first tries one tile: when each
+    row, moved some columns later (`tile_shift`), has every block inside one tile (a block grid of `span` columns,
+    whatever the row's left padding: prefill windows, the reconstructed reading's forward), each tile attends to
+    itself, a third of the scores; otherwise (a block of uneven length between others: a prompt's last, partial
+    block before the generated ones) the three tiles. The choice is made at run time (`lax.cond`), which under
+    gradients would keep both forms' intermediates, so training (inference False) runs the three tiles.
     """
     f32 = jnp.float32
     t = q.shape[1]
     if t <= span:  # one tile (a refinement pass over one block)
         o, weight = _inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=False)
+    elif not inference:
+        o, weight = _inblock_tiles(q, k, v, blocks, valid, w, span, neighbours=True)
     else:
         shift, fits = tile_shift(blocks, valid, span)
 
@@ -301,7 +305,7 @@ def mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array | No
         o, _, recurrent = blocks_rule(x.shape[1], cfg.block_size, inference=True)(st, blocks, valid, initial, commit,
                                                                                 history=bd)
     if bd:
-        o = inblock_attention(st.q, st.k, st.v, o, blocks, valid, w, cfg.block_size)
+        o = inblock_attention(st.q, st.k, st.v, o, blocks, valid, w, cfg.block_size, inference=True)
     return _output(o, x, w, cfg), MixerState(recurrent, tail)
 
 
@@ -359,7 +363,8 @@ def _preview(st: Stream, state: Array, blocks: Array, noisy: Array, w: GatedDelt
     """The read-out of noisy columns (`noisy` [B, T]): the block softmax over each column's block (its noisy
     columns only) with the history slot holding the clean state's read-out S^T q (`read_state`, `state` [B, Hv,
     dk, dv]: what the clean prefix left). [B, T, Hv, dv] float32."""
-    return inblock_attention(st.q, st.k, st.v, read_state(st.q, state), blocks, noisy, w, cfg.block_size)
+    return inblock_attention(st.q, st.k, st.v, read_state(st.q, state), blocks, noisy, w, cfg.block_size,
+                             inference=True)
 
 
 def _prefix_mixer(x: Array, w: GatedDeltaNetWeights, cfg: ModelConfig, valid: Array, state: MixerState | None,
