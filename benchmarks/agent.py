@@ -88,9 +88,11 @@ def _counters(port: int) -> tuple[float, dict[tuple[str, str], float]]:
 
 
 @contextmanager
-def serve(weights: Any, cfg: Any, tok: Any, scaffold: bool = True) -> Iterator[tuple[Any, int]]:
+def serve(weights: Any, cfg: Any, tok: Any, scaffold: bool = True, defaults: dict[str, Any] | None = None
+          ) -> Iterator[tuple[Any, int]]:
     """An engine behind `make_app` on a free loopback port: (openai client, port); drained on exit. `scaffold`:
-    tool calls rewritten into the canvas (`clover serve --tool-calls scaffold`), else left as written."""
+    tool calls rewritten into the canvas (`clover serve --tool-calls scaffold`), else left as written. `defaults`:
+    the request defaults `clover serve` takes from the checkpoint's generation_config.json."""
     import openai
 
     from clover_jax.commands.serve import SCAFFOLD_CLASSES
@@ -103,7 +105,7 @@ def serve(weights: Any, cfg: Any, tok: Any, scaffold: bool = True) -> Iterator[t
     eng.warm_up(lambda line: None)
     print(f"compiled the serving programs in {time.perf_counter() - t0:.0f} s", flush=True)
     eng.start()
-    with serve_in_background(eng, tok, cfg.name) as srv:
+    with serve_in_background(eng, tok, cfg.name, defaults=defaults) as srv:
         yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600), srv.port
 
 
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         conversation(args)
         return
     import clover_jax
-    from clover_jax import shipped
+    from clover_jax import loading, shipped
+    from clover_jax.serving.http_request import request_defaults
     from clover_jax.tokenizer import load_tokenizer
     from examples import toy_agent
 
@@ -289,15 +292,18 @@ def main(argv: list[str] | None = None) -> None:
               "(compile included)", flush=True)
         if args.save:
             clover_jax.save_model(args.save, cfg, weights, tokenizer_dir=model_dir)
-    runs = [("tuned" if args.train_steps else "model", cfg, weights, tok)]
+    # each model served with the request defaults `clover serve` takes from its generation_config.json
+    runs = [("tuned" if args.train_steps else "model", cfg, weights, tok, request_defaults(
+        loading.sampler_defaults(model_dir)))]
     if args.untrained:
-        runs.insert(0, ("untrained", cfg, base, tok) if args.train_steps else
+        runs.insert(0, ("untrained", cfg, base, tok, runs[0][4]) if args.train_steps else
                     ("shipped clover-tiny", *clover_jax.load_model(str(shipped.MODEL_DIR)),
-                     load_tokenizer(str(shipped.MODEL_DIR))))
+                     load_tokenizer(str(shipped.MODEL_DIR)),
+                     request_defaults(loading.sampler_defaults(str(shipped.MODEL_DIR)))))
     modes = ("free", "scaffold") if args.tool_calls == "both" else (args.tool_calls,)
-    for label, c, w, t in runs:
+    for label, c, w, t, defaults in runs:
         for mode in modes:
-            with serve(w, c, t, scaffold=mode == "scaffold") as (client, port):
+            with serve(w, c, t, scaffold=mode == "scaffold", defaults=defaults) as (client, port):
                 if args.call_turns:
                     for choice in ("auto", "required"):
                         call_turns(f"{label}, {mode}, tool_choice {choice}", client, port, c.name, held, choice)

@@ -32,9 +32,11 @@ class BackgroundServer:
 
 
 @contextmanager
-def serve_in_background(engine: Any, tokenizer: Any, model_name: str, *, start_timeout: float = 60.0,
-                        drain_timeout: float = 60.0) -> Iterator[BackgroundServer]:
-    """Serve `make_app(engine, tokenizer, model_name)` with uvicorn on a free 127.0.0.1 port in a daemon thread.
+def serve_in_background(engine: Any, tokenizer: Any, model_name: str, *, defaults: dict[str, Any] | None = None,
+                        start_timeout: float = 60.0, drain_timeout: float = 60.0) -> Iterator[BackgroundServer]:
+    """Serve `make_app(engine, tokenizer, model_name, defaults=defaults)` with uvicorn on a free 127.0.0.1 port in a
+    daemon thread. `defaults`: what a request leaves out gets, as `clover serve` takes them from a checkpoint
+    (`http_request.request_defaults` of `loading.sampler_defaults`); None: the sampler's own.
 
     Yields once the socket listens; RuntimeError if it does not within `start_timeout` seconds. On exit the
     server stops taking requests, its thread is joined and `engine` drained (requests in flight finish).
@@ -43,8 +45,8 @@ def serve_in_background(engine: Any, tokenizer: Any, model_name: str, *, start_t
 
     from clover_jax.serving.api import make_app
 
-    srv = uvicorn.Server(uvicorn.Config(make_app(engine, tokenizer, model_name), host="127.0.0.1", port=0,
-                                        log_level="warning", lifespan="off"))
+    app = make_app(engine, tokenizer, model_name, defaults=defaults)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=srv.run, name="clover-serve-background", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
