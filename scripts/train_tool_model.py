@@ -3,16 +3,15 @@
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools   # later: resumes
 
-The shipped `checkpoints/clover-tiny-tools` is this run's checkpoint of step 5,700 (about 3.7 h on two cores).
-A fine-tune into the reading Clover's ports run (a causal clean prefix) starts from it (not shipped yet: its card
-says how far it has come), first with
+The shipped `checkpoints/clover-tiny-tools` is two such runs: the recipe's 6,000 steps from clover-tiny as it was
+under the earlier reading (its step 5,700, about 3.7 h on two cores), then a fine-tune of those weights into the
+reading Clover's ports run (a causal clean prefix; 2,400 steps, about 67 min, its step 2,200 shipped):
 
     python scripts/train_tool_model.py --run runs/tools-cp --export runs/clover-tiny-tools-cp \
-        --base checkpoints/clover-tiny-tools --bd-gdn causal_prefix --causal-coef 1 --no-lift \
-        --lr 5e-4 --warmup 20 --schedule 600 --score-every 100
+        --base runs/clover-tiny-tools --bd-gdn causal_prefix --causal-coef 1 --no-lift \
+        --lr 5e-4 --warmup 20 --schedule 2400 --score-every 200
 
-then from that export (`--base runs/clover-tiny-tools-cp`, a new `--run` and `--export`) with
-`--lr 3e-4 --schedule 2000` and the other settings the same.
+Its card (`checkpoints/clover-tiny-tools/MODEL_CARD.md`) has the held-out figures of both.
 
 The toy task and its recipe are the repository's example `examples/toy_agent`. Block-diffusion SFT
 (`toy_agent.finetune`, settings in `toy_agent.Recipe`) on `toy_agent.sft_rows` of the task's training questions,

@@ -3,7 +3,7 @@ resumable from a run directory), the digit-embedding lift it starts from (`lift_
 `score_turns`, a check of the held-out turns through `clover_jax.generate` (no server) while training.
 
 `scripts/train_tool_model.py` runs the recipe at length (the shipped `checkpoints/clover-tiny-tools` is its step
-5,700); `tests/test_agent_e2e.py` runs a few steps of it.
+5,700, then fine-tuned into the causal-prefix reading); `tests/test_agent_e2e.py` runs a few steps of it.
 """
 
 from __future__ import annotations
