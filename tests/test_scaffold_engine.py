@@ -94,7 +94,9 @@ def test_the_tool_model_writes_a_required_call_it_would_not_have_made():
     the canvas (its draft names another tool, so the frame is rewritten with `square`'s keys)."""
     from starlette.testclient import TestClient
 
+    from clover_jax import loading
     from clover_jax.serving.api import make_app
+    from clover_jax.serving.http_request import request_defaults
     from examples.toy_agent.task import TOOLS
 
     model = shipped.TOOLS_MODEL_DIR
@@ -103,7 +105,8 @@ def test_the_tool_model_writes_a_required_call_it_would_not_have_made():
     eng = Engine(weights, cfg, max_prompt=256, max_tokens=96, batch_sizes=(1,), prefill_rows=1, scaffold_classes=8)
     eng.start()
     try:
-        http = TestClient(make_app(eng, tok, cfg.name))
+        defaults = request_defaults(loading.sampler_defaults(str(model)))  # as `clover serve` serves it
+        http = TestClient(make_app(eng, tok, cfg.name, defaults=defaults))
         body = {"messages": [{"role": "user", "content": "What is the capital of Peru?"}], "tools": list(TOOLS),
                 "max_tokens": 96, "temperature": 0}
         free = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
