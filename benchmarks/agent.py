@@ -109,16 +109,21 @@ def serve(weights: Any, cfg: Any, tok: Any, scaffold: bool = True, defaults: dic
         yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=600), srv.port
 
 
+def _extra_body(args: argparse.Namespace) -> dict:
+    """The requests' extra body from `--threshold` and `--remasking` ({} when neither is given)."""
+    diffusion: dict[str, Any] = {"threshold": args.threshold} if args.threshold > 0 else {}
+    if args.remasking:
+        diffusion["remasking"] = args.remasking
+    return {"diffusion": diffusion} if diffusion else {}
+
+
 def run_loop(label: str, client: Any, port: int, model: str, held: list, stream: bool, args: argparse.Namespace
              ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from examples.toy_agent import run_agent
 
-    diffusion = {"threshold": args.threshold} if args.threshold > 0 else {}
-    if args.remasking:
-        diffusion["remasking"] = args.remasking
-    extra = {"diffusion": diffusion} if diffusion else {}
+    extra = _extra_body(args)
     (before, calls0), t0 = _counters(port), time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
         eps = list(pool.map(lambda t: run_agent(client, model, t, stream=stream, extra_body=extra), held))
@@ -230,8 +235,9 @@ def conversation(args: argparse.Namespace) -> None:
         print(f"{'':>14}  .{'.' * round(40 * b / top):<40} {b:.2f} s")
 
 
-def call_turns(label: str, client: Any, port: int, model: str, held: list, choice: str) -> None:
-    """`--call-turns`: each held-out call turn once, greedy; exact calls, malformed ones (/metrics) and passes."""
+def call_turns(label: str, client: Any, port: int, model: str, held: list, choice: str, extra: dict) -> None:
+    """`--call-turns`: each held-out call turn once, greedy; exact calls, malformed ones (/metrics) and passes.
+    `extra`: the request's extra body (`--threshold`, `--remasking`)."""
     from examples.toy_agent.task import TOOLS, turns
 
     want_calls, exact, answered, forced = 0, 0, 0, 0
@@ -243,7 +249,7 @@ def call_turns(label: str, client: Any, port: int, model: str, held: list, choic
             for c in m.get("tool_calls", []):
                 c["function"]["arguments"] = json.dumps(c["function"]["arguments"])
         out = client.chat.completions.create(model=model, messages=messages, tools=list(TOOLS), max_tokens=96,
-                                             temperature=0.0, tool_choice=choice)
+                                             temperature=0.0, tool_choice=choice, extra_body=extra)
         return out.choices[0].message.tool_calls or []
 
     answer_turns = [t for task in held for t in turns(task) if not t.is_call]
@@ -306,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
             with serve(w, c, t, scaffold=mode == "scaffold", defaults=defaults) as (client, port):
                 if args.call_turns:
                     for choice in ("auto", "required"):
-                        call_turns(f"{label}, {mode}, tool_choice {choice}", client, port, c.name, held, choice)
+                        call_turns(f"{label}, {mode}, tool_choice {choice}", client, port, c.name, held, choice,
+                                   _extra_body(args))
                     continue
                 for stream in (False, True):
                     run_loop(f"{label}, {mode}, {'streamed' if stream else 'not streamed'}", client, port, c.name,

@@ -4,11 +4,12 @@
     python scripts/train_tool_model.py --run runs/tools --export runs/clover-tiny-tools   # later: resumes
 
 The shipped `checkpoints/clover-tiny-tools` is two such runs: the recipe's 6,000 steps from clover-tiny as it was
-under the earlier reading (its step 5,700, about 3.7 h on two cores), then a fine-tune of those weights into the
+under the earlier reading (`--base FIRST_BASE --export runs/clover-tiny-tools-rc`, FIRST_BASE that checkpoint from
+the repository's history; its step 5,700, about 3.7 h on two cores), then a fine-tune of those weights into the
 reading Clover's ports run (a causal clean prefix; 2,400 steps, about 67 min, its step 2,200 shipped):
 
     python scripts/train_tool_model.py --run runs/tools-cp --export runs/clover-tiny-tools-cp \
-        --base runs/clover-tiny-tools --bd-gdn causal_prefix --causal-coef 1 --no-lift \
+        --base runs/clover-tiny-tools-rc --bd-gdn causal_prefix --causal-coef 1 --no-lift \
         --lr 5e-4 --warmup 20 --schedule 2400 --score-every 200
 
 Its card (`checkpoints/clover-tiny-tools/MODEL_CARD.md`) has the held-out figures of both.

@@ -6,7 +6,7 @@ and the fine-tuning step of the recipe that teaches a model the task (`toy_agent
 
 Two models: the shipped clover-tiny, which has never seen a tool (each question must end after one step with
 plain text, no call), and the shipped clover-tiny-tools, clover-tiny after that recipe's 5,700 steps and a
-2,400-step fine-tune into the causal-prefix reading (about 4.6 h on two cores, too long to run here), which must
+2,400-step fine-tune into the causal-prefix reading (about 4.8 h on two cores, too long to run here), which must
 answer most held-out questions through exactly the task's calls. Each is served as `clover serve` serves it, with
 its generation_config.json's request defaults.
 """

@@ -16,7 +16,8 @@ one module each:
   `benchmarks/agent.py`, `notebooks/05_agent_loop.ipynb`).
 
 Every public name of the three modules is importable from here (`toy_agent.split`, `toy_agent.run_agent`, ...).
-The shipped `checkpoints/clover-tiny-tools` was trained on this task with `Recipe`'s settings.
+The shipped `checkpoints/clover-tiny-tools` was trained on this task with `Recipe`'s settings, then fine-tuned into the
+causal-prefix reading (its card has the commands).
 """
 
 from examples.toy_agent.agent import Episode, run_agent
